@@ -1,0 +1,146 @@
+// The lockstep command line: the only translation unit that includes CLI11, and the only
+// place where errors become exit codes.
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <fmt/core.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/checkpoint_info.h"
+#include "lockstep/config.h"
+#include "lockstep/error.h"
+#include "lockstep/train.h"
+#include "lockstep/version.h"
+
+namespace {
+
+using lockstep::ExitCode;
+
+constexpr const char* kOverrideHelp =
+    "Any config key can be overridden after the options: --section.key VALUE or "
+    "--section.key=VALUE (e.g. --training.steps 50 --optimizer.lr 1e-3).";
+
+lockstep::Config load(const std::string& file, const std::vector<std::string>& extras) {
+  auto overrides = lockstep::parse_overrides(extras);
+  if (file.empty())
+    return lockstep::load_config(lockstep::embedded_default_toml(), "<embedded default>",
+                                 overrides);
+  return lockstep::load_config_file(file, overrides);
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+int fail(ExitCode code, const std::string& message) {
+  std::fprintf(stderr, "lockstep: error: %s\n", message.c_str());
+  return static_cast<int>(code);
+}
+
+void print_checkpoint_info(const nlohmann::json& info) {
+  fmt::print("checkpoint {}\n", info["path"].get<std::string>());
+  fmt::print("  step {}  optimizer_steps {}  data_position {}  tokens_seen {}\n",
+             info["step"].get<int64_t>(), info["optimizer_steps"].get<int64_t>(),
+             info["data_position"].get<int64_t>(), info.value("tokens_seen", int64_t{0}));
+  fmt::print("  written by lockstep {}, world_size {}\n",
+             info["lockstep_version"].get<std::string>(), info["world_size"].get<int64_t>());
+  const auto& m = info["config"]["model"];
+  fmt::print("  model: {}\n", m.dump());
+  size_t bad = 0;
+  for (const auto& t : info["tensors"]) {
+    bool ok = t["ok"].get<bool>();
+    bad += ok ? 0 : 1;
+    fmt::print("  {:<24} {:<44} {:<5} {:<16} crc32 {} {}\n", t["file"].get<std::string>(),
+               t["name"].get<std::string>(), t["dtype"].get<std::string>(), t["shape"].dump(),
+               t["crc32"].get<std::string>(), ok ? "ok" : "MISMATCH");
+  }
+  fmt::print("  {} tensors, {} checksum mismatches\n", info["tensors"].size(), bad);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"lockstep: distributed training that skips bad gradient updates in lockstep",
+               "lockstep"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Help for every subcommand");
+
+  // train
+  std::string train_config;
+  auto* train = app.add_subcommand("train", "Train a model");
+  train->add_option("--config", train_config, "TOML config file (default: the embedded demo)")
+      ->check(CLI::ExistingFile);
+  train->allow_extras();
+  train->footer(kOverrideHelp);
+
+  // config show | check | keys
+  auto* config = app.add_subcommand("config", "Inspect configuration");
+  config->require_subcommand(1);
+  std::string show_file, check_file;
+  auto* show = config->add_subcommand("show", "Print the resolved config with every default");
+  show->add_option("file", show_file, "TOML config file (default: the embedded demo)");
+  show->allow_extras();
+  show->footer(kOverrideHelp);
+  auto* check = config->add_subcommand("check", "Validate a config file; exit 2 if invalid");
+  check->add_option("file", check_file, "TOML config file")->required();
+  check->allow_extras();
+  check->footer(kOverrideHelp);
+  auto* keys = config->add_subcommand("keys", "Print every key as a Markdown table");
+
+  // checkpoint info
+  auto* checkpoint = app.add_subcommand("checkpoint", "Inspect checkpoints");
+  checkpoint->require_subcommand(1);
+  std::string ckpt_dir;
+  bool ckpt_json = false;
+  auto* info = checkpoint->add_subcommand(
+      "info", "Metadata, counters and a verified checksum per tensor; exit 3 on a mismatch");
+  info->add_option("dir", ckpt_dir, "A step-N folder, or a checkpoint folder (its latest step)")
+      ->required();
+  info->add_flag("--json", ckpt_json, "Print JSON");
+
+  auto* version = app.add_subcommand("version", "Print lockstep, LibTorch, CUDA, NCCL, MPI versions");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    return fail(ExitCode::kUsage, fmt::format("{}; run `lockstep --help`", e.what()));
+  }
+
+  try {
+    if (*train) {
+      lockstep::train(load(train_config, train->remaining()));
+    } else if (*show) {
+      std::cout << lockstep::to_toml(load(show_file, show->remaining()));
+    } else if (*check) {
+      load(check_file, check->remaining());
+      fmt::print("{}: ok\n", check_file);
+    } else if (*keys) {
+      std::cout << lockstep::config_reference_markdown();
+    } else if (*info) {
+      auto j = lockstep::checkpoint_info(ckpt_dir);
+      if (ckpt_json)
+        std::cout << j.dump(2) << "\n";
+      else
+        print_checkpoint_info(j);
+      for (const auto& t : j["tensors"])
+        if (!t["ok"].get<bool>())
+          return fail(ExitCode::kBadInput,
+                      fmt::format("checkpoint '{}': tensor '{}' fails its CRC32 check",
+                                  j["path"].get<std::string>(), t["name"].get<std::string>()));
+    } else if (*version) {
+      std::cout << lockstep::version_report();
+    }
+  } catch (const lockstep::Error& e) {
+    return fail(e.code(), e.what());
+  } catch (const c10::Error& e) {
+    return fail(ExitCode::kFailure, first_line(e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    return fail(ExitCode::kFailure, first_line(e.what()));
+  }
+  return 0;
+}

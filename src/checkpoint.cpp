@@ -1,0 +1,338 @@
+#include "checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <caffe2/serialize/crc_alt.h>  // LibTorch's CRC32 (the one its zip writer uses)
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+
+#include "lockstep/build_info.h"
+#include "fsutil.h"
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+using json = nlohmann::json;
+constexpr const char* kFormat = "lockstep-checkpoint";
+constexpr int kFormatVersion = 1;
+
+struct DtypeName {
+  at::ScalarType type;
+  const char* name;
+};
+constexpr DtypeName kDtypes[] = {
+    {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"},
+    {at::kLong, "I64"},  {at::kInt, "I32"},    {at::kByte, "U8"},       {at::kBool, "BOOL"}};
+
+const char* dtype_name(at::ScalarType t) {
+  for (const auto& d : kDtypes)
+    if (d.type == t) return d.name;
+  throw Error(ExitCode::kFailure, fmt::format("checkpoint: unsupported dtype {}", c10::toString(t)));
+}
+
+std::optional<at::ScalarType> dtype_of(const std::string& name) {
+  for (const auto& d : kDtypes)
+    if (name == d.name) return d.type;
+  return std::nullopt;
+}
+
+std::string crc_hex(const void* data, size_t n) {
+  return fmt::format("{:08x}", crc32_fast(data, n, 0));
+}
+
+// A safetensors file: u64 little-endian header length, a JSON header, then the raw bytes.
+// Returns the bytes and fills `crcs` (name -> CRC32 of that tensor's bytes).
+std::string encode_safetensors(const std::vector<NamedTensor>& tensors,
+                               std::map<std::string, std::string>& crcs) {
+  std::vector<at::Tensor> cpu;
+  json header = json::object();
+  size_t offset = 0;
+  for (const auto& t : tensors) {
+    at::Tensor c = t.tensor.detach().to(at::kCPU).contiguous();
+    size_t n = c.nbytes();
+    header[t.name] = {{"dtype", dtype_name(c.scalar_type())},
+                      {"shape", c.sizes().vec()},
+                      {"data_offsets", {offset, offset + n}}};
+    offset += n;
+    cpu.push_back(c);
+  }
+  header["__metadata__"] = {{"format", "pt"}};
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  std::string out;
+  out.reserve(8 + h.size() + offset);
+  uint64_t hn = h.size();
+  out.append(reinterpret_cast<const char*>(&hn), 8);
+  out += h;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const char* p = static_cast<const char*>(cpu[i].data_ptr());
+    crcs[tensors[i].name] = crc_hex(p, cpu[i].nbytes());
+    out.append(p, cpu[i].nbytes());
+  }
+  return out;
+}
+
+struct TensorView {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  const char* data;
+  size_t bytes;
+};
+
+// Parses a safetensors file held in memory; every offset is bounds-checked.
+std::map<std::string, TensorView> decode_safetensors(const std::string& bytes,
+                                                      const std::string& path) {
+  auto corrupt = [&](const std::string& why) {
+    return InputError(fmt::format("checkpoint file '{}' is corrupt or truncated ({}); resume "
+                                  "from another step with checkpoint.load_step",
+                                  path, why));
+  };
+  if (bytes.size() < 8) throw corrupt("shorter than its 8-byte header length");
+  uint64_t hn;
+  std::memcpy(&hn, bytes.data(), 8);
+  if (hn > bytes.size() - 8) throw corrupt("header length past the end of the file");
+  json header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(hn),
+                            nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) throw corrupt("header is not a JSON object");
+  const size_t data_start = 8 + hn, data_len = bytes.size() - data_start;
+  std::map<std::string, TensorView> out;
+  for (auto& [name, e] : header.items()) {
+    if (name == "__metadata__") continue;
+    try {
+      auto dt = dtype_of(e.at("dtype").get<std::string>());
+      auto shape = e.at("shape").get<std::vector<int64_t>>();
+      auto off = e.at("data_offsets").get<std::vector<uint64_t>>();
+      if (!dt) throw corrupt("unknown dtype for " + name);
+      if (off.size() != 2 || off[0] > off[1] || off[1] > data_len)
+        throw corrupt("data offsets of " + name + " out of range");
+      int64_t numel = 1;
+      for (int64_t d : shape) numel *= d;
+      if (static_cast<uint64_t>(numel) * c10::elementSize(*dt) != off[1] - off[0])
+        throw corrupt("byte size of " + name + " does not match its shape");
+      out[name] = {*dt, shape, bytes.data() + data_start + off[0], off[1] - off[0]};
+    } catch (const json::exception&) {
+      throw corrupt("bad header entry for " + name);
+    }
+  }
+  return out;
+}
+
+std::string hex_encode(const uint8_t* p, size_t n) {
+  static const char* d = "0123456789abcdef";
+  std::string s(2 * n, '0');
+  for (size_t i = 0; i < n; ++i) {
+    s[2 * i] = d[p[i] >> 4];
+    s[2 * i + 1] = d[p[i] & 15];
+  }
+  return s;
+}
+
+std::vector<uint8_t> hex_decode(const std::string& s) {
+  std::vector<uint8_t> out(s.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = static_cast<uint8_t>(std::stoi(s.substr(2 * i, 2), nullptr, 16));
+  return out;
+}
+
+std::string cpu_rng_state() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  at::Tensor state(gen.get_state());
+  return hex_encode(state.data_ptr<uint8_t>(), static_cast<size_t>(state.numel()));
+}
+
+void set_cpu_rng_state(const std::string& hex) {
+  auto bytes = hex_decode(hex);
+  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(state.data_ptr(), bytes.data(), bytes.size());
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+void load_into(const std::vector<NamedTensor>& targets, const std::string& path,
+               const json& crcs) {
+  const std::string bytes = fs::read_file(path);
+  auto views = decode_safetensors(bytes, path);
+  c10::AutoGradMode no_grad(false);
+  for (const auto& t : targets) {
+    auto it = views.find(t.name);
+    if (it == views.end())
+      throw InputError(fmt::format("checkpoint file '{}' has no tensor '{}'; it was written by "
+                                   "a different model or optimizer",
+                                   path, t.name));
+    const TensorView& v = it->second;
+    if (v.shape != t.tensor.sizes().vec() || v.dtype != t.tensor.scalar_type())
+      throw InputError(fmt::format(
+          "checkpoint file '{}': tensor '{}' is {} {}, this run expects {} {}; resume with the "
+          "model config the checkpoint was written with",
+          path, t.name, c10::toString(v.dtype), fmt::join(v.shape, "x"),
+          c10::toString(t.tensor.scalar_type()), fmt::join(t.tensor.sizes().vec(), "x")));
+    if (crcs.contains(t.name) && crcs[t.name].get<std::string>() != crc_hex(v.data, v.bytes))
+      throw InputError(fmt::format("checkpoint file '{}': tensor '{}' fails its CRC32 check (the "
+                                   "file is corrupt); resume from another step with "
+                                   "checkpoint.load_step",
+                                   path, t.name));
+    at::Tensor staged = at::empty(v.shape, at::TensorOptions().dtype(v.dtype));
+    std::memcpy(staged.data_ptr(), v.data, v.bytes);
+    t.tensor.detach().copy_(staged);
+  }
+}
+
+json read_meta(const std::string& dir) {
+  const std::string path = dir + "/meta.json";
+  if (!fs::exists(path))
+    throw InputError(fmt::format("'{}' is not a lockstep checkpoint (no meta.json); pass a "
+                                 "step-N folder or the checkpoint folder",
+                                 dir));
+  json meta = json::parse(fs::read_file(path), nullptr, /*allow_exceptions=*/false);
+  if (!meta.is_object() || meta.value("format", "") != kFormat)
+    throw InputError(fmt::format("'{}' is corrupt or not a lockstep checkpoint", path));
+  if (meta.value("format_version", 0) != kFormatVersion)
+    throw InputError(fmt::format("'{}' has format_version {}, this lockstep reads {}", path,
+                                 meta.value("format_version", 0), kFormatVersion));
+  return meta;
+}
+
+std::optional<int64_t> parse_step_dir(const std::string& name) {
+  if (name.rfind("step-", 0) != 0 || name.size() == 5) return std::nullopt;
+  for (size_t i = 5; i < name.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+  return std::stoll(name.substr(5));
+}
+
+}  // namespace
+
+Checkpointer::Checkpointer(CheckpointOptions options) : opt_(std::move(options)) {}
+
+std::string Checkpointer::dir_of(int64_t step) const {
+  return fmt::format("{}/step-{}", opt_.folder, step);
+}
+
+std::vector<int64_t> Checkpointer::steps() const {
+  std::vector<int64_t> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(opt_.folder, ec)) {
+    auto s = parse_step_dir(e.path().filename().string());
+    if (s && fs::exists(e.path().string() + "/meta.json")) out.push_back(*s);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string Checkpointer::save(const TrainState& state, const std::vector<NamedTensor>& model,
+                               const std::vector<NamedTensor>& optimizer,
+                               const json& config) const {
+  fs::make_dirs(opt_.folder);
+  const std::string final_dir = dir_of(state.step);
+  const std::string tmp = fmt::format("{}.tmp-{}", final_dir, ::getpid());
+  fs::remove_all(tmp);
+  fs::make_dirs(tmp);
+
+  std::map<std::string, std::string> model_crc, optim_crc;
+  try {
+    fs::write_file_synced(tmp + "/model.safetensors", encode_safetensors(model, model_crc));
+    fs::write_file_synced(tmp + "/optimizer.safetensors",
+                          encode_safetensors(optimizer, optim_crc));
+    json meta = {{"format", kFormat},
+                 {"format_version", kFormatVersion},
+                 {"lockstep_version", LOCKSTEP_VERSION},
+                 {"step", state.step},
+                 {"optimizer_steps", state.optimizer_steps},
+                 {"data_position", state.data_position},
+                 {"tokens_seen", state.tokens_seen},
+                 {"world_size", 1},
+                 {"rng", {{"cpu", cpu_rng_state()}}},
+                 {"config", config},
+                 {"checksums",
+                  {{"model.safetensors", model_crc}, {"optimizer.safetensors", optim_crc}}}};
+    // meta.json last: a folder with meta.json is complete by construction.
+    fs::write_file_synced(tmp + "/meta.json", meta.dump(2));
+    fs::sync_dir(tmp);
+  } catch (...) {
+    fs::remove_all(tmp);  // a failed save (full disk) leaves the previous checkpoints alone
+    throw;
+  }
+  // Move the complete folder into place; a same-step folder from an earlier run is replaced.
+  std::string old;
+  if (fs::exists(final_dir)) {
+    old = fmt::format("{}.replaced-{}", final_dir, ::getpid());
+    std::filesystem::rename(final_dir, old);
+  }
+  std::filesystem::rename(tmp, final_dir);
+  fs::sync_dir(opt_.folder);
+  if (!old.empty()) fs::remove_all(old);
+
+  if (opt_.keep_latest_k > 0) {
+    auto all = steps();
+    for (size_t i = 0; i + opt_.keep_latest_k < all.size(); ++i) fs::remove_all(dir_of(all[i]));
+  }
+  return final_dir;
+}
+
+TrainState Checkpointer::load(int64_t step, const std::vector<NamedTensor>& model,
+                              const std::vector<NamedTensor>& optimizer,
+                              const json& config) const {
+  const std::string dir = dir_of(step);
+  json meta = read_meta(dir);
+  // The model must be the same one: compare the model section key by key.
+  const json& saved_model = meta["config"]["model"];
+  for (auto& [k, v] : config["model"].items()) {
+    if (!saved_model.contains(k) || saved_model[k] != v)
+      throw InputError(fmt::format(
+          "checkpoint '{}' was written with model.{} = {}, this run has {}; resume with the same "
+          "model config or start fresh with checkpoint.load_step = 0",
+          dir, k, saved_model.contains(k) ? saved_model[k].dump() : "(absent)", v.dump()));
+  }
+  load_into(model, dir + "/model.safetensors", meta["checksums"]["model.safetensors"]);
+  load_into(optimizer, dir + "/optimizer.safetensors", meta["checksums"]["optimizer.safetensors"]);
+  set_cpu_rng_state(meta["rng"]["cpu"].get<std::string>());
+  TrainState s;
+  s.step = meta.at("step").get<int64_t>();
+  s.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
+  s.data_position = meta.at("data_position").get<int64_t>();
+  s.tokens_seen = meta.value("tokens_seen", int64_t{0});
+  return s;
+}
+
+json checkpoint_info(const std::string& dir_in) {
+  std::string dir = dir_in;
+  if (!fs::exists(dir + "/meta.json")) {
+    Checkpointer c({dir, 0});
+    auto all = c.steps();
+    if (!all.empty()) dir = c.dir_of(all.back());
+  }
+  json meta = read_meta(dir);
+  json info = meta;
+  info.erase("rng");
+  info["path"] = dir;
+  json tensors = json::array();
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+    const std::string path = dir + "/" + file;
+    auto bytes = fs::read_file(path);
+    auto views = decode_safetensors(bytes, path);
+    const json& crcs = meta["checksums"][file];
+    for (const auto& [name, v] : views) {
+      std::string actual = crc_hex(v.data, v.bytes);
+      std::string stored = crcs.value(name, "");
+      tensors.push_back({{"file", file},
+                         {"name", name},
+                         {"dtype", dtype_name(v.dtype)},
+                         {"shape", v.shape},
+                         {"crc32", stored},
+                         {"ok", stored == actual}});
+    }
+  }
+  info.erase("checksums");
+  info["tensors"] = tensors;
+  return info;
+}
+
+}  // namespace lockstep

@@ -1,0 +1,55 @@
+// Checkpoints: one folder per step with model and optimizer tensors in safetensors files and a
+// meta.json (counters, data position, RNG state, config, a CRC32 per tensor). Written into a
+// temporary folder, fsynced and renamed, so a kill at any moment leaves the previous
+// checkpoint loadable.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/checkpoint_info.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+// Everything besides tensors that a resumed run needs to continue exactly.
+struct TrainState {
+  int64_t step = 0;             // steps completed
+  int64_t optimizer_steps = 0;  // steps that updated the weights
+  int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
+  int64_t tokens_seen = 0;
+};
+
+struct CheckpointOptions {
+  std::string folder;         // absolute or relative to the working directory
+  int64_t keep_latest_k = 0;  // 0 = keep all
+};
+
+class Checkpointer {
+ public:
+  explicit Checkpointer(CheckpointOptions options);
+
+  // Writes step-<state.step>/ atomically and prunes to keep_latest_k. `config` is the
+  // resolved job config (as JSON); its model section must match on load. Returns the folder.
+  std::string save(const TrainState& state, const std::vector<NamedTensor>& model,
+                   const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const;
+
+  // Complete checkpoints, ascending by step.
+  std::vector<int64_t> steps() const;
+
+  // Loads step `step` into the given tensors (names, shapes and dtypes must match) and the
+  // CPU RNG. Throws InputError naming the file and the mismatch or corruption.
+  TrainState load(int64_t step, const std::vector<NamedTensor>& model,
+                  const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const;
+
+  std::string dir_of(int64_t step) const;
+
+ private:
+  CheckpointOptions opt_;
+};
+
+
+}  // namespace lockstep

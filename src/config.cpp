@@ -1,0 +1,551 @@
+// The one place that reads TOML. Every key is declared once in a table (name, type, bounds,
+// meaning, where it lives in Config); parsing, command-line overrides, validation, `config
+// show` and the README reference are all driven by that table.
+#include "lockstep/config.h"
+
+#include <fmt/core.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <variant>
+
+#include <toml++/toml.h>
+
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+using Value = std::variant<int64_t, double, bool, std::string>;
+
+enum class Type { kInt, kFloat, kBool, kString, kChoice };
+
+struct Field {
+  std::string section;
+  std::string key;
+  Type type;
+  std::string help;
+  std::function<Value(const Config&)> get;
+  std::function<void(Config&, const Value&)> set;
+  double min = -std::numeric_limits<double>::infinity();
+  double max = std::numeric_limits<double>::infinity();
+  bool min_exclusive = false;
+  std::vector<std::string> choices;
+
+  std::string name() const { return section + "." + key; }
+};
+
+// Builders that bind a field to a member of a section struct.
+template <typename S>
+using Section = S Config::*;
+
+template <typename S>
+Field int_field(const char* section, const char* key, Section<S> sec, int64_t S::*m, double min,
+                double max, const char* help) {
+  Field f{section, key, Type::kInt, help,
+          [=](const Config& c) { return Value{(c.*sec).*m}; },
+          [=](Config& c, const Value& v) { (c.*sec).*m = std::get<int64_t>(v); }};
+  f.min = min;
+  f.max = max;
+  return f;
+}
+
+template <typename S>
+Field float_field(const char* section, const char* key, Section<S> sec, double S::*m, double min,
+                  bool min_exclusive, double max, const char* help) {
+  Field f{section, key, Type::kFloat, help,
+          [=](const Config& c) { return Value{(c.*sec).*m}; },
+          [=](Config& c, const Value& v) { (c.*sec).*m = std::get<double>(v); }};
+  f.min = min;
+  f.min_exclusive = min_exclusive;
+  f.max = max;
+  return f;
+}
+
+template <typename S>
+Field bool_field(const char* section, const char* key, Section<S> sec, bool S::*m,
+                 const char* help) {
+  return Field{section, key, Type::kBool, help,
+               [=](const Config& c) { return Value{(c.*sec).*m}; },
+               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<bool>(v); }};
+}
+
+template <typename S>
+Field string_field(const char* section, const char* key, Section<S> sec, std::string S::*m,
+                   std::vector<std::string> choices, const char* help) {
+  Field f{section, key, choices.empty() ? Type::kString : Type::kChoice, help,
+          [=](const Config& c) { return Value{(c.*sec).*m}; },
+          [=](Config& c, const Value& v) { (c.*sec).*m = std::get<std::string>(v); }};
+  f.choices = std::move(choices);
+  return f;
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kMaxInt = 9.0e15;  // exactly representable, larger than anything sane
+
+const std::vector<Field>& fields() {
+  static const std::vector<Field> table = [] {
+    using C = Config;
+    std::vector<Field> t;
+    // [job]
+    t.push_back(string_field("job", "dump_folder", &C::job, &JobConfig::dump_folder, {},
+                             "run directory: resolved config, logs, metrics, checkpoints"));
+    t.push_back(string_field("job", "description", &C::job, &JobConfig::description, {},
+                             "free text, written into the run directory"));
+    // [model]
+    t.push_back(string_field("model", "name", &C::model, &ModelConfig::name, {"gpt"},
+                             "model family: a GPT-style decoder-only transformer"));
+    t.push_back(int_field("model", "vocab_size", &C::model, &ModelConfig::vocab_size, 2, 1 << 24,
+                          "vocabulary size (256 for byte-level data)"));
+    t.push_back(int_field("model", "dim", &C::model, &ModelConfig::dim, 1, 1 << 16,
+                          "embedding width; a multiple of n_heads"));
+    t.push_back(int_field("model", "n_layers", &C::model, &ModelConfig::n_layers, 1, 1024,
+                          "number of transformer blocks"));
+    t.push_back(int_field("model", "n_heads", &C::model, &ModelConfig::n_heads, 1, 1024,
+                          "attention heads per block"));
+    t.push_back(int_field("model", "mlp_ratio", &C::model, &ModelConfig::mlp_ratio, 1, 64,
+                          "MLP hidden width = mlp_ratio * dim"));
+    t.push_back(int_field("model", "max_seq_len", &C::model, &ModelConfig::max_seq_len, 1,
+                          1 << 20, "positions the model can embed; >= training.seq_len"));
+    t.push_back(float_field("model", "norm_eps", &C::model, &ModelConfig::norm_eps, 0, true, 1,
+                            "LayerNorm epsilon"));
+    t.push_back(float_field("model", "dropout", &C::model, &ModelConfig::dropout, 0, false, 0.999,
+                            "dropout probability on attention and residual paths"));
+    t.push_back(float_field("model", "init_std", &C::model, &ModelConfig::init_std, 0, true, 10,
+                            "std of the normal weight initialisation"));
+    // [training]
+    t.push_back(int_field("training", "steps", &C::training, &TrainingConfig::steps, 1, kMaxInt,
+                          "optimizer steps to train"));
+    t.push_back(int_field("training", "local_batch_size", &C::training,
+                          &TrainingConfig::local_batch_size, 1, 1 << 20,
+                          "sequences per micro-batch on each rank"));
+    t.push_back(int_field("training", "seq_len", &C::training, &TrainingConfig::seq_len, 1,
+                          1 << 20, "tokens per sequence"));
+    t.push_back(int_field("training", "seed", &C::training, &TrainingConfig::seed, 0, kMaxInt,
+                          "seed of the weight init, the data order and dropout"));
+    t.push_back(float_field("training", "max_norm", &C::training, &TrainingConfig::max_norm, 0,
+                            false, kInf, "clip the global gradient norm to this; 0 = off"));
+    t.push_back(int_field("training", "gradient_accumulation_steps", &C::training,
+                          &TrainingConfig::gradient_accumulation_steps, 1, 1 << 16,
+                          "micro-batches per optimizer step"));
+    t.push_back(string_field("training", "device", &C::training, &TrainingConfig::device,
+                             {"auto", "cpu", "cuda"}, "auto = cuda when available, else cpu"));
+    t.push_back(int_field("training", "threads", &C::training, &TrainingConfig::threads, 0, 4096,
+                          "intra-op CPU threads; 0 = one per core"));
+    // [optimizer]
+    t.push_back(string_field("optimizer", "name", &C::optimizer, &OptimizerConfig::name,
+                             {"AdamW"}, "optimizer"));
+    t.push_back(string_field("optimizer", "implementation", &C::optimizer,
+                             &OptimizerConfig::implementation, {"fused", "for-loop"},
+                             "fused = ATen _fused_adamw_ (falls back to for-loop if missing)"));
+    t.push_back(float_field("optimizer", "lr", &C::optimizer, &OptimizerConfig::lr, 0, true, 10,
+                            "peak learning rate"));
+    t.push_back(float_field("optimizer", "beta1", &C::optimizer, &OptimizerConfig::beta1, 0,
+                            false, 0.999999, "Adam first-moment decay"));
+    t.push_back(float_field("optimizer", "beta2", &C::optimizer, &OptimizerConfig::beta2, 0,
+                            false, 0.999999, "Adam second-moment decay"));
+    t.push_back(float_field("optimizer", "eps", &C::optimizer, &OptimizerConfig::eps, 0, true, 1,
+                            "Adam epsilon"));
+    t.push_back(float_field("optimizer", "weight_decay", &C::optimizer,
+                            &OptimizerConfig::weight_decay, 0, false, 10,
+                            "decoupled weight decay on matrices (not on norms and biases)"));
+    // [lr_scheduler]
+    t.push_back(int_field("lr_scheduler", "warmup_steps", &C::lr_scheduler,
+                          &LRSchedulerConfig::warmup_steps, 0, kMaxInt,
+                          "linear warmup steps to the peak lr"));
+    t.push_back(string_field("lr_scheduler", "decay_type", &C::lr_scheduler,
+                             &LRSchedulerConfig::decay_type, {"linear", "cosine", "constant"},
+                             "decay after warmup, to min_lr_factor * lr at the last step"));
+    t.push_back(float_field("lr_scheduler", "min_lr_factor", &C::lr_scheduler,
+                            &LRSchedulerConfig::min_lr_factor, 0, false, 1,
+                            "final lr as a fraction of the peak"));
+    // [checkpoint]
+    t.push_back(bool_field("checkpoint", "enable", &C::checkpoint, &CheckpointConfig::enable,
+                           "save checkpoints and resume from them"));
+    t.push_back(string_field("checkpoint", "folder", &C::checkpoint, &CheckpointConfig::folder,
+                             {}, "checkpoint folder, relative to job.dump_folder"));
+    t.push_back(int_field("checkpoint", "interval", &C::checkpoint, &CheckpointConfig::interval,
+                          1, kMaxInt, "save every this many steps (and at the end)"));
+    t.push_back(int_field("checkpoint", "keep_latest_k", &C::checkpoint,
+                          &CheckpointConfig::keep_latest_k, 0, kMaxInt,
+                          "keep this many newest checkpoints; 0 = keep all"));
+    t.push_back(int_field("checkpoint", "load_step", &C::checkpoint,
+                          &CheckpointConfig::load_step, -1, kMaxInt,
+                          "resume: -1 = latest if any, 0 = start fresh, N = step N"));
+    // [metrics]
+    t.push_back(int_field("metrics", "log_freq", &C::metrics, &MetricsConfig::log_freq, 1,
+                          kMaxInt, "progress line and metrics record every this many steps"));
+    // [data]
+    t.push_back(string_field("data", "source", &C::data, &DataConfig::source,
+                             {"synthetic", "file"},
+                             "synthetic = embedded generated corpus; file = data.path"));
+    t.push_back(string_field("data", "path", &C::data, &DataConfig::path, {},
+                             "token file for source = \"file\""));
+    t.push_back(string_field("data", "format", &C::data, &DataConfig::format,
+                             {"auto", "bytes", "uint16"},
+                             "bytes = one token per byte; uint16 = little-endian ids; "
+                             "auto = uint16 for .bin, else bytes"));
+    t.push_back(int_field("data", "synthetic_tokens", &C::data, &DataConfig::synthetic_tokens,
+                          1024, 1LL << 31, "length of the generated corpus"));
+    return t;
+  }();
+  return table;
+}
+
+// ---------------------------------------------------------------------------
+// Suggestions for typos
+// ---------------------------------------------------------------------------
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+std::string nearest(std::string_view wanted, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_d = std::numeric_limits<size_t>::max();
+  for (const auto& c : candidates) {
+    size_t d = edit_distance(wanted, c);
+    if (d < best_d) {
+      best_d = d;
+      best = c;
+    }
+  }
+  // Only suggest what is plausibly a typo.
+  if (best_d > std::max<size_t>(2, wanted.size() / 3)) return "";
+  return best;
+}
+
+std::vector<std::string> all_names() {
+  std::vector<std::string> out;
+  for (const auto& f : fields()) out.push_back(f.name());
+  return out;
+}
+
+std::vector<std::string> all_sections() {
+  std::vector<std::string> out;
+  for (const auto& f : fields())
+    if (std::find(out.begin(), out.end(), f.section) == out.end()) out.push_back(f.section);
+  return out;
+}
+
+const Field* find_field(std::string_view name) {
+  for (const auto& f : fields())
+    if (f.name() == name) return &f;
+  return nullptr;
+}
+
+std::string unknown_key_message(const std::string& name, const std::string& where) {
+  std::string msg = fmt::format("unknown config key '{}' {}", name, where);
+  std::string hint = nearest(name, all_names());
+  if (hint.empty()) {
+    auto dot = name.find('.');
+    std::string section = dot == std::string::npos ? name : name.substr(0, dot);
+    auto secs = all_sections();
+    if (std::find(secs.begin(), secs.end(), section) == secs.end()) {
+      std::string s = nearest(section, secs);
+      if (!s.empty()) hint = s + "." + (dot == std::string::npos ? "" : name.substr(dot + 1));
+      if (!s.empty() && !find_field(hint)) hint = s;
+    }
+  }
+  if (!hint.empty()) return msg + fmt::format("; did you mean '{}'?", hint);
+  return msg + "; run `lockstep config show` for every valid key";
+}
+
+std::string type_name(const Field& f) {
+  switch (f.type) {
+    case Type::kInt: return "an integer";
+    case Type::kFloat: return "a number";
+    case Type::kBool: return "true or false";
+    case Type::kString: return "a string";
+    case Type::kChoice: {
+      std::string s = "one of";
+      for (size_t i = 0; i < f.choices.size(); ++i)
+        s += fmt::format("{}\"{}\"", i ? ", " : " ", f.choices[i]);
+      return s;
+    }
+  }
+  return "?";
+}
+
+std::string fmt_bound(double v) {
+  if (std::abs(v) < 1e15 && v == std::floor(v)) return fmt::format("{}", static_cast<int64_t>(v));
+  return fmt::format("{}", v);
+}
+
+std::string expected(const Field& f) {
+  std::string s = type_name(f);
+  if (f.type == Type::kInt || f.type == Type::kFloat) {
+    bool lo = std::isfinite(f.min), hi = std::isfinite(f.max) && f.max < kMaxInt;
+    if (lo && hi)
+      s += fmt::format(" in {}{}, {}]", f.min_exclusive ? "(" : "[", fmt_bound(f.min),
+                       fmt_bound(f.max));
+    else if (lo)
+      s += fmt::format(" {} {}", f.min_exclusive ? ">" : ">=", fmt_bound(f.min));
+  }
+  return s;
+}
+
+std::string value_text(const Value& v) {
+  return std::visit(
+      [](const auto& x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, std::string>)
+          return "\"" + x + "\"";
+        else if constexpr (std::is_same_v<T, bool>)
+          return x ? "true" : "false";
+        else
+          return fmt::format("{}", x);
+      },
+      v);
+}
+
+[[noreturn]] void bad_value(const Field& f, const std::string& shown, const std::string& where) {
+  throw ConfigError(fmt::format("invalid value for '{}': {} {}; expected {}", f.name(), shown,
+                                where, expected(f)));
+}
+
+// Range and choice checks shared by the file and command-line paths.
+void check_and_set(Config& c, const Field& f, const Value& v, const std::string& where) {
+  if (f.type == Type::kInt || f.type == Type::kFloat) {
+    double x = f.type == Type::kInt ? static_cast<double>(std::get<int64_t>(v))
+                                    : std::get<double>(v);
+    bool ok = std::isfinite(x) && (f.min_exclusive ? x > f.min : x >= f.min) && x <= f.max;
+    if (!ok) bad_value(f, value_text(v), where);
+  }
+  if (f.type == Type::kChoice) {
+    const auto& s = std::get<std::string>(v);
+    if (std::find(f.choices.begin(), f.choices.end(), s) == f.choices.end()) {
+      std::string hint = nearest(s, f.choices);
+      throw ConfigError(fmt::format("invalid value for '{}': \"{}\" {}; expected {}{}", f.name(),
+                                    s, where, expected(f),
+                                    hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)",
+                                                                    hint)));
+    }
+  }
+  f.set(c, v);
+}
+
+std::string where_in_file(const std::string& origin, const toml::source_region& src) {
+  if (src.begin.line == 0) return fmt::format("in {}", origin);
+  return fmt::format("in {}:{}", origin, src.begin.line);
+}
+
+Value from_toml(const Field& f, const toml::node& n, const std::string& where) {
+  switch (f.type) {
+    case Type::kInt:
+      if (auto v = n.value_exact<int64_t>()) return *v;
+      break;
+    case Type::kFloat:
+      if (auto v = n.value_exact<double>()) return *v;
+      if (auto v = n.value_exact<int64_t>()) return static_cast<double>(*v);
+      break;
+    case Type::kBool:
+      if (auto v = n.value_exact<bool>()) return *v;
+      break;
+    case Type::kString:
+    case Type::kChoice:
+      if (auto v = n.value_exact<std::string>()) return *v;
+      break;
+  }
+  std::ostringstream shown;
+  n.visit([&](const auto& v) { shown << v; });
+  bad_value(f, shown.str(), where);
+}
+
+Value from_text(const Field& f, const std::string& s, const std::string& where) {
+  auto whole = [&](auto& out) {
+    const char* end = s.data() + s.size();
+    auto r = std::from_chars(s.data(), end, out);
+    return r.ec == std::errc() && r.ptr == end && !s.empty();
+  };
+  switch (f.type) {
+    case Type::kInt: {
+      int64_t v;
+      if (whole(v)) return v;
+      break;
+    }
+    case Type::kFloat: {
+      double v;
+      if (whole(v)) return v;
+      break;
+    }
+    case Type::kBool:
+      if (s == "true" || s == "1") return true;
+      if (s == "false" || s == "0") return false;
+      break;
+    case Type::kString:
+    case Type::kChoice:
+      return s;
+  }
+  bad_value(f, "'" + s + "'", where);
+}
+
+void validate_cross(const Config& c) {
+  if (c.model.dim % c.model.n_heads != 0)
+    throw ConfigError(fmt::format(
+        "invalid value for 'model.n_heads': {} does not divide model.dim = {}; choose n_heads "
+        "that divides dim",
+        c.model.n_heads, c.model.dim));
+  if (c.training.seq_len > c.model.max_seq_len)
+    throw ConfigError(fmt::format(
+        "invalid value for 'training.seq_len': {} exceeds model.max_seq_len = {}; raise "
+        "model.max_seq_len or lower training.seq_len",
+        c.training.seq_len, c.model.max_seq_len));
+  if (c.data.source == "file" && c.data.path.empty())
+    throw ConfigError(
+        "missing value for 'data.path': data.source = \"file\" needs a token file; set "
+        "data.path or use data.source = \"synthetic\"");
+  if (c.data.source == "synthetic" && c.model.vocab_size < 256)
+    throw ConfigError(fmt::format(
+        "invalid value for 'model.vocab_size': {} is too small for the synthetic byte corpus; "
+        "expected >= 256",
+        c.model.vocab_size));
+  if (c.job.dump_folder.empty())
+    throw ConfigError("invalid value for 'job.dump_folder': \"\"; expected a directory path");
+}
+
+}  // namespace
+
+Config load_config(std::string_view toml_text, const std::string& origin,
+                   const std::vector<Override>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, origin);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(fmt::format("cannot parse {}:{}:{}: {}", origin, e.source().begin.line,
+                                  e.source().begin.column, e.description()));
+  }
+
+  Config c;
+  for (const auto& [sec_key, sec_node] : root) {
+    std::string section(sec_key.str());
+    const toml::table* sec = sec_node.as_table();
+    if (!sec) {
+      const Field* f = nullptr;
+      for (const auto& fl : fields())
+        if (fl.key == section) f = &fl;
+      throw ConfigError(fmt::format(
+          "config key '{}' {} is outside any section; {}", section,
+          where_in_file(origin, sec_node.source()),
+          f ? fmt::format("put it under [{}]", f->section) : "keys live in [section] tables"));
+    }
+    for (const auto& [key, node] : *sec) {
+      std::string name = section + "." + std::string(key.str());
+      std::string where = where_in_file(origin, node.source());
+      const Field* f = find_field(name);
+      if (!f) throw ConfigError(unknown_key_message(name, where));
+      check_and_set(c, *f, from_toml(*f, node, where), where);
+    }
+  }
+  for (const auto& [name, text] : overrides) {
+    std::string where = fmt::format("(from --{})", name);
+    const Field* f = find_field(name);
+    if (!f) throw ConfigError(unknown_key_message(name, "on the command line"));
+    check_and_set(c, *f, from_text(*f, text, where), where);
+  }
+  validate_cross(c);
+  return c;
+}
+
+Config load_config_file(const std::string& path, const std::vector<Override>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw ConfigError(fmt::format("cannot read config file '{}': no such file or not readable; "
+                                  "check the --config path",
+                                  path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return load_config(ss.str(), path, overrides);
+}
+
+std::string to_toml(const Config& c) {
+  // Keep the table's order (toml++ sorts keys), so write it section by section.
+  std::ostringstream out;
+  std::string section;
+  for (const auto& f : fields()) {
+    if (f.section != section) {
+      out << (section.empty() ? "" : "\n") << "[" << f.section << "]\n";
+      section = f.section;
+    }
+    Value v = f.get(c);
+    out << f.key << " = ";
+    if (auto* s = std::get_if<std::string>(&v)) {
+      out << toml::value<std::string>(*s);  // toml++ does the quoting and escaping
+    } else if (auto* d = std::get_if<double>(&v)) {
+      std::string num = fmt::format("{}", *d);  // shortest text that reads back exactly
+      if (num.find_first_of(".eEn") == std::string::npos) num += ".0";  // keep it a TOML float
+      out << num;
+    } else {
+      out << value_text(v);
+    }
+    out << "\n";
+  }
+  return out.str();
+}
+
+std::string to_json(const Config& c) {
+  toml::table root;
+  for (const auto& f : fields()) {
+    if (!root.contains(f.section)) root.insert(f.section, toml::table{});
+    toml::table& sec = *root[f.section].as_table();
+    std::visit([&](const auto& x) { sec.insert(f.key, x); }, f.get(c));
+  }
+  std::ostringstream out;
+  out << toml::json_formatter{root};
+  return out.str();
+}
+
+std::string config_reference_markdown() {
+  Config defaults;
+  std::string out = "| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+  for (const auto& f : fields()) {
+    std::string ty = type_name(f);
+    if (f.type == Type::kInt || f.type == Type::kFloat) ty = expected(f);
+    out += fmt::format("| `{}` | {} | `{}` | {} |\n", f.name(), ty, value_text(f.get(defaults)),
+                       f.help);
+  }
+  return out;
+}
+
+std::vector<Override> parse_overrides(const std::vector<std::string>& args) {
+  std::vector<Override> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a.rfind("--", 0) != 0 || a.size() < 3)
+      throw ConfigError(fmt::format("unexpected argument '{}'; overrides look like "
+                                    "--section.key value",
+                                    a));
+    std::string body = a.substr(2);
+    auto eq = body.find('=');
+    std::string name = body.substr(0, eq);
+    if (name.find('.') == std::string::npos)
+      throw ConfigError(fmt::format("unknown option '--{}'; config overrides look like "
+                                    "--section.key value (see `lockstep train --help`)",
+                                    name));
+    if (eq != std::string::npos) {
+      out.emplace_back(name, body.substr(eq + 1));
+    } else {
+      if (i + 1 >= args.size())
+        throw ConfigError(fmt::format("missing value for '--{}'; write --{} VALUE", name, name));
+      out.emplace_back(name, args[++i]);
+    }
+  }
+  return out;
+}
+
+}  // namespace lockstep

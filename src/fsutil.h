@@ -1,0 +1,23 @@
+// Durable file-system steps: what makes a checkpoint either whole or absent.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace lockstep::fs {
+
+// mkdir -p with mode 0755; throws InputError naming the path on failure.
+void make_dirs(const std::string& path);
+// Writes `data` to `path` and fsyncs it (the file is created with mode 0644).
+void write_file_synced(const std::string& path, std::string_view data);
+// Writes to `path.tmp`, fsyncs, renames over `path`, fsyncs the directory.
+void write_file_atomic(const std::string& path, std::string_view data);
+// fsync of a directory, so that renames inside it are durable.
+void sync_dir(const std::string& path);
+// Reads a whole file; throws InputError naming the path when it cannot.
+std::string read_file(const std::string& path);
+bool exists(const std::string& path);
+// rm -rf; errors are ignored (used for temporary and superseded folders only).
+void remove_all(const std::string& path);
+
+}  // namespace lockstep::fs

@@ -1,0 +1,39 @@
+#include "metrics.h"
+
+#include <fmt/core.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+#include "lockstep/error.h"
+
+namespace lockstep {
+
+nlohmann::json json_number(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  return v;
+}
+
+MetricsWriter::MetricsWriter(const std::string& path) {
+  if (path.empty()) return;
+  file_ = std::fopen(path.c_str(), "a");
+  if (!file_)
+    throw InputError(fmt::format("cannot open metrics file '{}': {}", path, std::strerror(errno)));
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsWriter::write(const nlohmann::json& record) {
+  if (!file_) return;
+  // nlohmann writes a NaN double as null: callers pass numbers through json_number.
+  std::string line = record.dump();
+  line += '\n';
+  std::fwrite(line.data(), 1, line.size(), file_);
+  std::fflush(file_);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,57 @@
+// AdamW on ATen's fused kernel. The kernel's `found_inf` and `grad_scale` inputs carry the
+// skip decision and the clip coefficient, so neither needs a host sync or a second pass.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "tensors.h"
+
+namespace lockstep {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool fused = true;  // false: the for-loop implementation (same maths, one op at a time)
+};
+
+class AdamW {
+ public:
+  // Matrices and embeddings (dim >= 2) get weight decay; norms and biases do not.
+  AdamW(const std::vector<NamedTensor>& params, AdamWOptions options);
+
+  // One update at learning rate `lr`. `grad_scale` (0-dim float, optional): gradients are
+  // divided by it first (clipping passes 1 / clip_coef). `found_inf` (0-dim float, optional):
+  // when it is 1 nothing changes at all, step counts included.
+  void step(double lr, const at::Tensor& grad_scale = {}, const at::Tensor& found_inf = {});
+  void zero_grad();
+
+  // Moments and step counts, named "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step".
+  std::vector<NamedTensor> state() const;
+  // True when ATen's _fused_adamw_ is used.
+  bool fused() const { return fused_; }
+
+ private:
+  struct Group {
+    std::vector<at::Tensor> params, exp_avgs, exp_avg_sqs, steps;
+    std::vector<std::string> names;
+    double weight_decay;
+  };
+  void step_group(Group& g, double lr, const at::Tensor& grad_scale, const at::Tensor& found_inf);
+  void step_group_for_loop(Group& g, double lr, const at::Tensor& grad_scale);
+
+  AdamWOptions opt_;
+  bool fused_;
+  std::vector<Group> groups_;
+};
+
+// The global L2 norm of all gradients (missing grads count as zero), as a 0-dim double tensor.
+at::Tensor global_grad_norm(const std::vector<NamedTensor>& params);
+
+// The clip coefficient as torch's clip_grad_norm_ computes it: min(1, max_norm / (norm + 1e-6)).
+double clip_coefficient(double total_norm, double max_norm);
+
+}  // namespace lockstep

@@ -1,0 +1,208 @@
+// The training loop. It reads like the step it runs: fetch batch, forward, backward,
+// gradient norm, update, log, checkpoint. The algorithms live in the components.
+#include "lockstep/train.h"
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "checkpoint.h"
+#include "fsutil.h"
+#include "lockstep/data.h"
+#include "lockstep/error.h"
+#include "lockstep/log.h"
+#include "lockstep/schedule.h"
+#include "metrics.h"
+#include "model.h"
+#include "optim.h"
+
+namespace lockstep {
+
+c10::Device resolve_device(const std::string& name) {
+  if (name == "cpu") return c10::Device(c10::kCPU);
+  bool cuda = at::hasCUDA();
+  if (name == "cuda" && !cuda)
+    throw ConfigError(
+        "invalid value for 'training.device': \"cuda\" but no CUDA device is usable (CPU-only "
+        "LibTorch or no GPU); use training.device = \"cpu\" or \"auto\"");
+  return cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string format_eta(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02d}:{:02d}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02d}", s / 60, s % 60);
+}
+
+std::unique_ptr<TokenSource> open_source(const DataConfig& d, int64_t vocab_size) {
+  if (d.source == "synthetic") return make_synthetic_source(d.synthetic_tokens);
+  return open_token_file(d.path, parse_token_format(d.format), vocab_size);
+}
+
+// (B, T + 1) token ids for the given samples, on `device`.
+at::Tensor batch_tensor(const Sampler& sampler, const std::vector<int64_t>& ids, int64_t seq_len,
+                        c10::Device device) {
+  at::Tensor t = at::empty({static_cast<int64_t>(ids.size()), seq_len + 1}, at::kLong);
+  sampler.fill(ids, t.data_ptr<int64_t>());
+  return t.to(device);
+}
+
+}  // namespace
+
+TrainResult train(const Config& cfg) {
+  const TrainingConfig& tc = cfg.training;
+  const std::string run_dir = cfg.job.dump_folder;
+  fs::make_dirs(run_dir + "/logs");
+  log::init(/*rank=*/0, run_dir + "/logs/rank0.log");
+  fs::write_file_atomic(run_dir + "/config.toml", to_toml(cfg));
+
+  const int threads = tc.threads > 0 ? static_cast<int>(tc.threads)
+                                     : static_cast<int>(std::thread::hardware_concurrency());
+  at::set_num_threads(std::max(1, threads));
+  const c10::Device device = resolve_device(tc.device);
+
+  // Data
+  auto source = open_source(cfg.data, cfg.model.vocab_size);
+  Sampler sampler(*source, {tc.seq_len, tc.local_batch_size, /*rank=*/0, /*world_size=*/1,
+                            static_cast<uint64_t>(tc.seed)});
+
+  // Model and optimizer
+  Gpt model(cfg.model, static_cast<uint64_t>(tc.seed), device);
+  AdamW optimizer(model.parameters(),
+                  {cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
+                   cfg.optimizer.weight_decay, cfg.optimizer.implementation == "fused"});
+  const LRScheduleOptions schedule{cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps, tc.steps,
+                                   cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor};
+
+  // Resume
+  const nlohmann::json config_json = nlohmann::json::parse(to_json(cfg));
+  Checkpointer ckpt({run_dir + "/" + cfg.checkpoint.folder, cfg.checkpoint.keep_latest_k});
+  TrainState state;
+  if (cfg.checkpoint.enable && cfg.checkpoint.load_step != 0) {
+    auto available = ckpt.steps();
+    int64_t want = cfg.checkpoint.load_step;
+    if (want > 0 && std::find(available.begin(), available.end(), want) == available.end())
+      throw InputError(fmt::format(
+          "checkpoint.load_step = {}: no complete checkpoint '{}'; available steps: [{}]", want,
+          ckpt.dir_of(want), fmt::join(available, ", ")));
+    if (want < 0 && !available.empty()) want = available.back();
+    if (want > 0) {
+      state = ckpt.load(want, model.parameters(), optimizer.state(), config_json);
+      sampler.set_position(state.data_position);
+      log::info("resumed from {} (step {}, data position {})", ckpt.dir_of(want), state.step,
+                state.data_position);
+    }
+  }
+
+  log::info("lockstep: {} parameters, device {}, {} threads, data: {}", model.num_parameters(),
+            device.str(), at::get_num_threads(), source->describe());
+  log::info("optimizer AdamW ({}), {} steps, global batch {} x {} tokens, run dir {}",
+            optimizer.fused() ? "fused" : "for-loop", tc.steps,
+            tc.local_batch_size * tc.gradient_accumulation_steps, tc.seq_len, run_dir);
+
+  MetricsWriter metrics(run_dir + "/metrics.jsonl");
+  TrainResult result;
+  result.start_step = state.step;
+  const int64_t tokens_per_step = tc.local_batch_size * tc.seq_len * tc.gradient_accumulation_steps;
+  const auto run_start = Clock::now();
+  auto interval_start = run_start;
+  int64_t interval_steps = 0;
+
+  auto save = [&] {
+    if (!cfg.checkpoint.enable) return;
+    auto dir = ckpt.save(state, model.parameters(), optimizer.state(), config_json);
+    log::info("checkpoint saved: {}", dir);
+  };
+
+  while (state.step < tc.steps) {
+    const int64_t step = state.step;
+    const double lr = lr_at(schedule, step);
+
+    // Forward and backward over the micro-batches; gradients accumulate in .grad.
+    double loss_sum = 0;
+    for (int64_t micro = 0; micro < tc.gradient_accumulation_steps; ++micro) {
+      auto ids = sampler.next_ids();
+      at::Tensor batch = batch_tensor(sampler, ids, tc.seq_len, device);  // (B, T + 1)
+      at::Tensor x = batch.slice(1, 0, tc.seq_len);                       // (B, T)
+      at::Tensor y = batch.slice(1, 1, tc.seq_len + 1);                   // (B, T)
+      at::Tensor loss = Gpt::loss(model.forward(x, /*train=*/true), y);
+      loss.div(static_cast<double>(tc.gradient_accumulation_steps)).backward();
+      loss_sum += loss.item<double>();
+    }
+    const double loss = loss_sum / static_cast<double>(tc.gradient_accumulation_steps);
+
+    // Global gradient norm; clipping reuses it through the optimizer's grad_scale.
+    const double grad_norm = global_grad_norm(model.parameters()).item<double>();
+    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+      log::flush();
+      throw TrainingAborted(fmt::format(
+          "step {}: nonfinite {} (loss {}, grad_norm {}); the weights were not updated and the "
+          "last checkpoint is intact; lower optimizer.lr or check the data",
+          step, std::isfinite(loss) ? "gradient" : "loss", loss, grad_norm));
+    }
+    const double clip = clip_coefficient(grad_norm, tc.max_norm);
+    at::Tensor grad_scale;
+    if (clip < 1.0)
+      grad_scale = at::empty({}, model.parameters()[0].tensor.options()).fill_(1.0 / clip);
+    optimizer.step(lr, grad_scale);
+    optimizer.zero_grad();
+
+    state.step += 1;
+    state.optimizer_steps += 1;
+    state.data_position = sampler.position();
+    state.tokens_seen += tokens_per_step;
+    result.losses.push_back(loss);
+    ++interval_steps;
+
+    const bool last = state.step == tc.steps;
+    if (state.step % cfg.metrics.log_freq == 0 || last) {
+      const auto now = Clock::now();
+      const double secs = std::chrono::duration<double>(now - interval_start).count();
+      const double ms_per_step = 1e3 * secs / static_cast<double>(interval_steps);
+      const double tok_s = static_cast<double>(interval_steps * tokens_per_step) / secs;
+      const double eta = static_cast<double>(tc.steps - state.step) * ms_per_step / 1e3;
+      log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | ms/step {:.1f} | "
+                "tok/s {:.0f} | ETA {}",
+                state.step, tc.steps, loss, grad_norm, lr, ms_per_step, tok_s, format_eta(eta));
+      metrics.write({{"step", state.step},
+                     {"loss", json_number(loss)},
+                     {"grad_norm", json_number(grad_norm)},
+                     {"clip_coef", clip},
+                     {"lr", lr},
+                     {"ms_per_step", ms_per_step},
+                     {"tokens_per_s", tok_s},
+                     {"tokens_seen", state.tokens_seen},
+                     {"optimizer_steps", state.optimizer_steps},
+                     {"elapsed_s", std::chrono::duration<double>(now - run_start).count()}});
+      interval_start = now;
+      interval_steps = 0;
+    }
+    if (state.step % cfg.checkpoint.interval == 0 || last) save();
+  }
+
+  const double total = std::chrono::duration<double>(Clock::now() - run_start).count();
+  const int64_t ran = state.step - result.start_step;
+  result.final_step = state.step;
+  result.optimizer_steps = state.optimizer_steps;
+  result.tokens_per_second = ran > 0 ? static_cast<double>(ran * tokens_per_step) / total : 0.0;
+  if (ran > 0)
+    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}", ran, total,
+              result.tokens_per_second, result.losses.back());
+  else
+    log::info("nothing to do: the run is already at step {} of {}", state.step, tc.steps);
+  log::flush();
+  return result;
+}
+
+}  // namespace lockstep
