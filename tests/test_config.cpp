@@ -1,2 +1,199 @@
 #include <gtest/gtest.h>
-TEST(Placeholder, Builds) { EXPECT_TRUE(true); }
+
+#include <cmath>
+#include <fstream>
+
+#include "lockstep/config.h"
+#include "lockstep/error.h"
+
+using lockstep::Config;
+using lockstep::ConfigError;
+using lockstep::load_config;
+
+namespace {
+
+// The ConfigError message for `toml` (+ overrides); fails the test if it loads.
+std::string error_of(const std::string& toml, std::vector<lockstep::Override> ov = {}) {
+  try {
+    load_config(toml, "test.toml", ov);
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.code(), lockstep::ExitCode::kUsage);
+    std::string m = e.what();
+    EXPECT_EQ(m.find('\n'), std::string::npos) << "errors are one line: " << m;
+    return m;
+  }
+  ADD_FAILURE() << "expected a ConfigError for: " << toml;
+  return "";
+}
+
+}  // namespace
+
+TEST(Config, EmptyFileGivesDefaults) {
+  Config c = load_config("", "empty");
+  Config d;
+  EXPECT_EQ(c.training.steps, d.training.steps);
+  EXPECT_EQ(c.model.dim, 128);
+  EXPECT_EQ(c.optimizer.name, "AdamW");
+  EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
+  EXPECT_EQ(c.lr_scheduler.decay_type, "cosine");
+  EXPECT_EQ(c.checkpoint.load_step, -1);
+  EXPECT_EQ(c.data.source, "synthetic");
+}
+
+TEST(Config, EmbeddedDefaultLoads) {
+  Config c = load_config(lockstep::embedded_default_toml(), "<embedded default>");
+  EXPECT_EQ(c.job.dump_folder, "./outputs/default");
+  EXPECT_EQ(c.training.steps, 300);
+  EXPECT_EQ(c.checkpoint.keep_latest_k, 2);
+}
+
+TEST(Config, FileValuesAndIntegerForFloat) {
+  Config c = load_config(R"(
+[training]
+steps = 7
+max_norm = 2          # an integer is accepted where a number is expected
+[optimizer]
+lr = 1e-4
+[checkpoint]
+enable = false
+[data]
+source = "file"
+path = "/data/tokens.bin"
+)",
+                         "t");
+  EXPECT_EQ(c.training.steps, 7);
+  EXPECT_DOUBLE_EQ(c.training.max_norm, 2.0);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
+  EXPECT_FALSE(c.checkpoint.enable);
+  EXPECT_EQ(c.data.path, "/data/tokens.bin");
+}
+
+TEST(Config, OverridesWinOverFile) {
+  auto ov = lockstep::parse_overrides({"--training.steps", "11", "--optimizer.lr=0.5",
+                                       "--checkpoint.enable", "false", "--job.dump_folder",
+                                       "/tmp/x"});
+  Config c = load_config("[training]\nsteps = 3\n", "t", ov);
+  EXPECT_EQ(c.training.steps, 11);
+  EXPECT_DOUBLE_EQ(c.optimizer.lr, 0.5);
+  EXPECT_FALSE(c.checkpoint.enable);
+  EXPECT_EQ(c.job.dump_folder, "/tmp/x");
+}
+
+TEST(Config, UnknownKeySuggestsNearest) {
+  std::string m = error_of("[training]\nstpes = 5\n");
+  EXPECT_NE(m.find("'training.stpes'"), std::string::npos) << m;
+  EXPECT_NE(m.find("did you mean 'training.steps'"), std::string::npos) << m;
+  EXPECT_NE(m.find("test.toml:2"), std::string::npos) << m;
+}
+
+TEST(Config, UnknownKeyOnCommandLineSuggests) {
+  std::string m = error_of("", {{"optimizer.lrr", "1"}});
+  EXPECT_NE(m.find("did you mean 'optimizer.lr'"), std::string::npos) << m;
+  EXPECT_NE(m.find("command line"), std::string::npos) << m;
+}
+
+TEST(Config, UnknownSectionSuggests) {
+  std::string m = error_of("[trainig]\nsteps = 5\n");
+  EXPECT_NE(m.find("did you mean 'training.steps'"), std::string::npos) << m;
+}
+
+TEST(Config, HopelessKeyPointsToShow) {
+  std::string m = error_of("[training]\nzzzzzzzzzzzz = 1\n");
+  EXPECT_NE(m.find("lockstep config show"), std::string::npos) << m;
+}
+
+TEST(Config, KeyOutsideSection) {
+  std::string m = error_of("steps = 5\n");
+  EXPECT_NE(m.find("put it under [training]"), std::string::npos) << m;
+}
+
+TEST(Config, WrongType) {
+  std::string m = error_of("[training]\nsteps = \"ten\"\n");
+  EXPECT_NE(m.find("'training.steps'"), std::string::npos) << m;
+  EXPECT_NE(m.find("ten"), std::string::npos) << m;
+  EXPECT_NE(m.find("expected an integer >= 1"), std::string::npos) << m;
+  m = error_of("[training]\nsteps = 2.5\n");
+  EXPECT_NE(m.find("expected an integer"), std::string::npos) << m;
+  m = error_of("[checkpoint]\nenable = 1\n");
+  EXPECT_NE(m.find("true or false"), std::string::npos) << m;
+}
+
+TEST(Config, OutOfRange) {
+  std::string m = error_of("[optimizer]\nbeta1 = 1.5\n");
+  EXPECT_NE(m.find("'optimizer.beta1'"), std::string::npos) << m;
+  EXPECT_NE(m.find("1.5"), std::string::npos) << m;
+  EXPECT_NE(m.find("in [0, "), std::string::npos) << m;
+  m = error_of("", {{"training.steps", "0"}});
+  EXPECT_NE(m.find("from --training.steps"), std::string::npos) << m;
+  m = error_of("[optimizer]\nlr = 0.0\n");
+  EXPECT_NE(m.find("in (0, 10]"), std::string::npos) << m;
+  m = error_of("[optimizer]\nlr = nan\n");
+  EXPECT_NE(m.find("'optimizer.lr'"), std::string::npos) << m;
+}
+
+TEST(Config, BadChoiceSuggests) {
+  std::string m = error_of("[lr_scheduler]\ndecay_type = \"cosin\"\n");
+  EXPECT_NE(m.find("one of \"linear\", \"cosine\", \"constant\""), std::string::npos) << m;
+  EXPECT_NE(m.find("did you mean \"cosine\""), std::string::npos) << m;
+}
+
+TEST(Config, BadCommandLineValue) {
+  std::string m = error_of("", {{"training.steps", "12abc"}});
+  EXPECT_NE(m.find("'12abc'"), std::string::npos) << m;
+  m = error_of("", {{"checkpoint.enable", "maybe"}});
+  EXPECT_NE(m.find("true or false"), std::string::npos) << m;
+}
+
+TEST(Config, CrossKeyChecks) {
+  EXPECT_NE(error_of("[model]\ndim = 130\nn_heads = 4\n").find("does not divide"),
+            std::string::npos);
+  EXPECT_NE(error_of("[training]\nseq_len = 512\n").find("model.max_seq_len"), std::string::npos);
+  EXPECT_NE(error_of("[data]\nsource = \"file\"\n").find("'data.path'"), std::string::npos);
+  EXPECT_NE(error_of("[model]\nvocab_size = 100\n").find("'model.vocab_size'"),
+            std::string::npos);
+}
+
+TEST(Config, TomlSyntaxError) {
+  std::string m = error_of("[training\nsteps = 5\n");
+  EXPECT_NE(m.find("cannot parse test.toml:1"), std::string::npos) << m;
+}
+
+TEST(Config, MissingFile) {
+  try {
+    lockstep::load_config_file("/nonexistent/lockstep.toml");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/lockstep.toml"), std::string::npos);
+  }
+}
+
+TEST(Config, OverrideSyntax) {
+  EXPECT_THROW(lockstep::parse_overrides({"training.steps", "5"}), ConfigError);
+  EXPECT_THROW(lockstep::parse_overrides({"--steps", "5"}), ConfigError);
+  EXPECT_THROW(lockstep::parse_overrides({"--training.steps"}), ConfigError);
+  auto ov = lockstep::parse_overrides({"--a.b=c=d"});
+  ASSERT_EQ(ov.size(), 1u);
+  EXPECT_EQ(ov[0].second, "c=d");
+}
+
+TEST(Config, ShowRoundTrips) {
+  auto ov = lockstep::parse_overrides({"--optimizer.lr", "0.000123", "--job.description",
+                                       "quote \" and \\ backslash", "--model.norm_eps", "1e-6"});
+  Config a = load_config("", "t", ov);
+  std::string text = lockstep::to_toml(a);
+  Config b = load_config(text, "shown");
+  EXPECT_EQ(lockstep::to_toml(b), text);
+  EXPECT_EQ(b.optimizer.lr, 0.000123);
+  EXPECT_EQ(b.model.norm_eps, 1e-6);
+  EXPECT_EQ(b.job.description, "quote \" and \\ backslash");
+  // Every key appears, including those left at their defaults.
+  EXPECT_NE(text.find("gradient_accumulation_steps = 1"), std::string::npos);
+  EXPECT_NE(text.find("[lr_scheduler]"), std::string::npos);
+}
+
+TEST(Config, JsonHasEverySection) {
+  std::string j = lockstep::to_json(Config{});
+  for (const char* s : {"\"job\"", "\"model\"", "\"training\"", "\"optimizer\"",
+                        "\"lr_scheduler\"", "\"checkpoint\"", "\"metrics\"", "\"data\""})
+    EXPECT_NE(j.find(s), std::string::npos) << s;
+}
