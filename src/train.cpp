@@ -2,6 +2,7 @@
 // gradient norm, update, log, checkpoint. The algorithms live in the components.
 #include "lockstep/train.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "checkpoint.h"
@@ -71,6 +73,12 @@ TrainResult train(const Config& cfg) {
                                      : static_cast<int>(std::thread::hardware_concurrency());
   at::set_num_threads(std::max(1, threads));
   const c10::Device device = resolve_device(tc.device);
+  {
+    // Dropout draws from the global generator: seed it (a resume restores its state).
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(static_cast<uint64_t>(tc.seed));
+  }
 
   // Data
   auto source = open_source(cfg.data, cfg.model.vocab_size);

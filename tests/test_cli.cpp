@@ -1,0 +1,138 @@
+// The lockstep binary as a user runs it: exit codes and one-line errors.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "test_util.h"
+
+namespace {
+
+struct CliRun {
+  int code;
+  std::string out;  // stdout and stderr together
+};
+
+CliRun run(const std::string& args) {
+  std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+int count_lines(const std::string& s) {
+  return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
+}
+
+}  // namespace
+
+TEST(Cli, HelpAndVersion) {
+  EXPECT_EQ(run("--help").code, 0);
+  CliRun t = run("train --help");
+  EXPECT_EQ(t.code, 0);
+  EXPECT_NE(t.out.find("--section.key"), std::string::npos);
+  EXPECT_EQ(run("config show --help").code, 0);
+  EXPECT_EQ(run("checkpoint info --help").code, 0);
+  CliRun v = run("version");
+  EXPECT_EQ(v.code, 0);
+  EXPECT_NE(v.out.find("LibTorch 2."), std::string::npos) << v.out;
+  EXPECT_NE(v.out.find("MPI"), std::string::npos) << v.out;
+}
+
+TEST(Cli, MisspelledKeyExits2WithSuggestion) {
+  CliRun r = run("train --training.stpes 5");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find("'training.stpes'"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("did you mean 'training.steps'"), std::string::npos) << r.out;
+}
+
+TEST(Cli, ConfigCheckAndShow) {
+  lockstep::test::TempDir dir;
+  lockstep::test::write_bytes(dir / "bad.toml", "[optimizer]\nlr = -1\n");
+  CliRun r = run("config check " + dir / "bad.toml");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("bad.toml:2"), std::string::npos) << r.out;
+  lockstep::test::write_bytes(dir / "good.toml", "[training]\nsteps = 9\n");
+  EXPECT_EQ(run("config check " + dir / "good.toml").code, 0);
+  CliRun s = run("config show " + dir / "good.toml" + " --optimizer.lr 0.25");
+  EXPECT_EQ(s.code, 0);
+  EXPECT_NE(s.out.find("steps = 9"), std::string::npos) << s.out;
+  EXPECT_NE(s.out.find("lr = 0.25"), std::string::npos) << s.out;
+  EXPECT_NE(s.out.find("warmup_steps = 20"), std::string::npos) << s.out;  // a default
+  EXPECT_EQ(run("config check " + dir / "missing.toml").code, 2);
+  EXPECT_EQ(run("train --config " + dir / "missing.toml").code, 2);
+  EXPECT_EQ(run("frobnicate").code, 2);
+  EXPECT_EQ(run("train stray").code, 2);
+}
+
+TEST(Cli, BadDataFileExits3) {
+  lockstep::test::TempDir dir;
+  lockstep::test::write_bytes(dir / "empty.bin", "");
+  CliRun r = run("train --job.dump_folder " + dir / "run" + " --data.source file --data.path " +
+              dir / "empty.bin");
+  EXPECT_EQ(r.code, 3);
+  EXPECT_NE(r.out.find("empty.bin' is empty"), std::string::npos) << r.out;
+}
+
+TEST(Cli, CheckpointInfo) {
+  lockstep::test::TempDir dir;
+  CliRun t = run("train --job.dump_folder " + dir / "run" +
+              " --training.steps 4 --checkpoint.interval 2 --model.dim 32 --model.n_heads 2");
+  ASSERT_EQ(t.code, 0) << t.out;
+  CliRun i = run("checkpoint info " + dir / "run/checkpoint");
+  EXPECT_EQ(i.code, 0) << i.out;
+  EXPECT_NE(i.out.find("step 4"), std::string::npos) << i.out;
+  EXPECT_NE(i.out.find("wte.weight"), std::string::npos) << i.out;
+  EXPECT_NE(i.out.find("0 checksum mismatches"), std::string::npos) << i.out;
+  CliRun j = run("checkpoint info --json " + dir / "run/checkpoint/step-2");
+  EXPECT_EQ(j.code, 0);
+  EXPECT_NE(j.out.find("\"step\": 2"), std::string::npos) << j.out;
+  EXPECT_EQ(run("checkpoint info " + dir.path()).code, 3);
+}
+
+TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
+  // A checkpoint every step with a model large enough that saving takes a good part of
+  // the step: SIGKILL at random moments lands inside saves too. After each kill the latest
+  // checkpoint must verify and the run must resume from it.
+  lockstep::test::TempDir dir;
+  const std::string args = "train --job.dump_folder " + dir / "run" +
+                           " --training.steps 120 --checkpoint.interval 1"
+                           " --checkpoint.keep_latest_k 2 --model.dim 256 --model.n_layers 3"
+                           " --training.local_batch_size 2 --training.seq_len 16";
+  std::mt19937 rng(1234);
+  int kills = 0;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >/dev/null 2>&1";
+      ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
+      ::_exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000 + rng() % 1000));
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ++kills;
+    }
+    CliRun info = run("checkpoint info " + dir / "run/checkpoint");
+    ASSERT_EQ(info.code, 0) << "after kill " << attempt << ": " << info.out;
+    EXPECT_NE(info.out.find("0 checksum mismatches"), std::string::npos) << info.out;
+  }
+  EXPECT_GT(kills, 0) << "the run finished before any kill: make it longer";
+  CliRun finish = run(args);
+  EXPECT_EQ(finish.code, 0) << finish.out;
+  EXPECT_NE(finish.out.find("resumed from"), std::string::npos) << finish.out;
+  EXPECT_NE(finish.out.find("step    120/120"), std::string::npos) << finish.out;
+}
