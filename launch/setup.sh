@@ -59,7 +59,8 @@ elif command -v python3 >/dev/null && TORCH_PREFIX=$(torch_ok python3); then
 else
   say "creating .venv with torch==$TORCH_PIN (LibTorch comes from the wheel)"
   python3 -m venv "$LOCKSTEP_ROOT/.venv" || die "python3 -m venv failed; install python3-venv"
-  "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_PIN" \
+  "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_PIN" 2>&1 \
+    | { grep -v "^WARNING: Location" || true; } \
     || die "pip install torch==$TORCH_PIN failed; set LOCKSTEP_TORCH to a LibTorch folder instead"
   TORCH_PREFIX=$(torch_ok "$LOCKSTEP_ROOT/.venv/bin/python") || die "torch in .venv is not usable"
 fi

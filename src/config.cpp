@@ -169,7 +169,7 @@ const std::vector<Field>& fields() {
     t.push_back(bool_field("checkpoint", "enable", &C::checkpoint, &CheckpointConfig::enable,
                            "save checkpoints and resume from them"));
     t.push_back(string_field("checkpoint", "folder", &C::checkpoint, &CheckpointConfig::folder,
-                             {}, "checkpoint folder, relative to job.dump_folder"));
+                             {}, "checkpoint folder: relative to job.dump_folder, or absolute"));
     t.push_back(int_field("checkpoint", "interval", &C::checkpoint, &CheckpointConfig::interval,
                           1, kMaxInt, "save every this many steps (and at the end)"));
     t.push_back(int_field("checkpoint", "keep_latest_k", &C::checkpoint,

@@ -95,7 +95,9 @@ TrainResult train(const Config& cfg) {
 
   // Resume
   const nlohmann::json config_json = nlohmann::json::parse(to_json(cfg));
-  Checkpointer ckpt({run_dir + "/" + cfg.checkpoint.folder, cfg.checkpoint.keep_latest_k});
+  const std::string& folder = cfg.checkpoint.folder;
+  Checkpointer ckpt({folder.starts_with("/") ? folder : run_dir + "/" + folder,
+                     cfg.checkpoint.keep_latest_k});
   TrainState state;
   if (cfg.checkpoint.enable && cfg.checkpoint.load_step != 0) {
     auto available = ckpt.steps();
