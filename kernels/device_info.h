@@ -9,6 +9,7 @@ struct DeviceInfo {
   int driver_version = 0;            // 0 when no driver is installed
   int device_count = 0;
   int nccl_version = 0;              // ncclGetVersion, e.g. 23007
+  char device_name[256] = {};       // device 0, when there is one
 };
 
 DeviceInfo query_device_info();

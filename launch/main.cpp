@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench.h"
 #include "lockstep/checkpoint_info.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
@@ -99,6 +100,30 @@ int main(int argc, char** argv) {
       ->required();
   info->add_flag("--json", ckpt_json, "Print JSON");
 
+  // bench gradcheck
+  auto* bench = app.add_subcommand("bench", "Benchmarks (results printed with machine and sizes)");
+  bench->require_subcommand(1);
+  lockstep::GradcheckBenchOptions gopt;
+  auto* gradcheck = bench->add_subcommand(
+      "gradcheck", "Fused gradient check vs LibTorch baselines G1-G5; exit 1 on a wrong result");
+  gradcheck->add_option("--sizes", gopt.sizes_mb, "Total gradient sizes in MB")
+      ->capture_default_str();
+  gradcheck->add_option("--layouts", gopt.layouts, "few (8 tensors) and/or many (10,000)")
+      ->check(CLI::IsMember({"few", "many"}))
+      ->capture_default_str();
+  gradcheck->add_option("--dtypes", gopt.dtypes, "fp32, bf16, fp16, fp64")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16", "fp64"}))
+      ->capture_default_str();
+  gradcheck->add_option("--device", gopt.device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  gradcheck->add_option("--threads", gopt.threads, "CPU intra-op threads")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  gradcheck->add_option("--min-seconds", gopt.min_seconds, "Time per method and size")
+      ->capture_default_str();
+  gradcheck->add_flag("--json", gopt.json, "One JSON object per measurement");
+
   auto* version = app.add_subcommand("version", "Print lockstep, LibTorch, CUDA, NCCL, MPI versions");
 
   try {
@@ -132,6 +157,10 @@ int main(int argc, char** argv) {
           return fail(ExitCode::kBadInput,
                       fmt::format("checkpoint '{}': tensor '{}' fails its CRC32 check",
                                   j["path"].get<std::string>(), t["name"].get<std::string>()));
+    } else if (*gradcheck) {
+      if (!lockstep::bench_gradcheck(gopt))
+        return fail(ExitCode::kFailure, "bench gradcheck: a fused result disagreed with the "
+                                        "reference (see the check column)");
     } else if (*version) {
       std::cout << lockstep::version_report();
     }

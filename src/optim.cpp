@@ -1,10 +1,6 @@
 #include "optim.h"
 
 #include <ATen/ops/_foreach_add.h>
-#include <ATen/ops/_foreach_norm.h>
-#include <ATen/ops/linalg_vector_norm.h>
-#include <ATen/ops/ones.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
@@ -101,16 +97,6 @@ std::vector<NamedTensor> AdamW::state() const {
       out.push_back({g.names[i] + ".step", g.steps[i]});
     }
   return out;
-}
-
-at::Tensor global_grad_norm(const std::vector<NamedTensor>& params) {
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params)
-    if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
-  if (grads.empty()) return at::zeros({}, at::TensorOptions().dtype(at::kDouble));
-  // Per-tensor norms accumulated in fp64, then the norm of the norms.
-  auto norms = at::_foreach_norm(grads, 2, at::kDouble);
-  return at::linalg_vector_norm(at::stack(norms), 2);
 }
 
 double clip_coefficient(double total_norm, double max_norm) {

@@ -48,9 +48,6 @@ class AdamW {
   std::vector<Group> groups_;
 };
 
-// The global L2 norm of all gradients (missing grads count as zero), as a 0-dim double tensor.
-at::Tensor global_grad_norm(const std::vector<NamedTensor>& params);
-
 // The clip coefficient as torch's clip_grad_norm_ computes it: min(1, max_norm / (norm + 1e-6)).
 double clip_coefficient(double total_norm, double max_norm);
 

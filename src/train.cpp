@@ -6,6 +6,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
 #include <fmt/format.h>
 
 #include <chrono>
@@ -22,6 +23,7 @@
 #include "lockstep/schedule.h"
 #include "metrics.h"
 #include "model.h"
+#include "gradcheck.h"
 #include "optim.h"
 
 namespace lockstep {
@@ -58,6 +60,39 @@ at::Tensor batch_tensor(const Sampler& sampler, const std::vector<int64_t>& ids,
   at::Tensor t = at::empty({static_cast<int64_t>(ids.size()), seq_len + 1}, at::kLong);
   sampler.fill(ids, t.data_ptr<int64_t>());
   return t.to(device);
+}
+
+// Every parameter's gradient (created as zeros where backward left none), in parameter order.
+std::vector<NamedTensor> gradients_of(const std::vector<NamedTensor>& params) {
+  std::vector<NamedTensor> grads;
+  for (const auto& p : params) {
+    if (!p.tensor.grad().defined()) p.tensor.mutable_grad() = at::zeros_like(p.tensor);
+    grads.push_back({p.name, p.tensor.grad()});
+  }
+  return grads;
+}
+
+bool same_storage(const GradCheck& check, const std::vector<NamedTensor>& params) {
+  for (size_t i = 0; i < params.size(); ++i)
+    if (!params[i].tensor.grad().defined() ||
+        params[i].tensor.grad().const_data_ptr() != check.tensors()[i].tensor.const_data_ptr())
+      return false;
+  return true;
+}
+
+// ", first in: a (3), b (1)": the tensors holding nonfinite values, most first.
+std::string worst_tensors(const GradCheck& check, const GradCheckStats& s) {
+  std::vector<size_t> idx;
+  for (size_t i = 0; i < s.tensor_nonfinite.size(); ++i)
+    if (s.tensor_nonfinite[i] > 0) idx.push_back(i);
+  std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
+    return s.tensor_nonfinite[a] > s.tensor_nonfinite[b];
+  });
+  std::string out;
+  for (size_t k = 0; k < idx.size() && k < 3; ++k)
+    out += fmt::format("{}{} ({})", k ? ", " : ", in ", check.tensors()[idx[k]].name,
+                       s.tensor_nonfinite[idx[k]]);
+  return out;
 }
 
 }  // namespace
@@ -129,6 +164,7 @@ TrainResult train(const Config& cfg) {
   auto interval_start = run_start;
   int64_t interval_steps = 0;
 
+  std::unique_ptr<GradCheck> check;  // built after the first backward, when every grad exists
   auto save = [&] {
     if (!cfg.checkpoint.enable) return;
     auto dir = ckpt.save(state, model.parameters(), optimizer.state(), config_json);
@@ -152,15 +188,26 @@ TrainResult train(const Config& cfg) {
     }
     const double loss = loss_sum / static_cast<double>(tc.gradient_accumulation_steps);
 
-    // Global gradient norm; clipping reuses it through the optimizer's grad_scale.
-    const double grad_norm = global_grad_norm(model.parameters()).item<double>();
-    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+    // One fused pass over the gradients: nonfinite counts and the global norm. Clipping
+    // reuses the norm through the optimizer's grad_scale: no second pass.
+    if (!check) {
+      check = std::make_unique<GradCheck>(gradients_of(model.parameters()));
+    } else if (!same_storage(*check, model.parameters())) {
+      check->rebind(gradients_of(model.parameters()));
+    }
+    const GradCheckStats health = GradCheck::read(check->run());
+    const double grad_norm = std::sqrt(health.sumsq);
+    if (!std::isfinite(loss) || health.nonfinite > 0) {
       log::flush();
       throw TrainingAborted(fmt::format(
-          "step {}: nonfinite {} (loss {}, grad_norm {}); the weights were not updated and the "
-          "last checkpoint is intact; lower optimizer.lr or check the data",
-          step, std::isfinite(loss) ? "gradient" : "loss", loss, grad_norm));
+          "step {}: nonfinite {} (loss {}, {} nonfinite gradient elements{}); the weights were not "
+          "updated and the last checkpoint is intact; lower optimizer.lr or check the data",
+          step, std::isfinite(loss) ? "gradient" : "loss", loss, health.nonfinite,
+          worst_tensors(*check, health)));
     }
+    if (health.overflow_runs > 0)
+      log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64", step,
+                grad_norm);
     const double clip = clip_coefficient(grad_norm, tc.max_norm);
     at::Tensor grad_scale;
     if (clip < 1.0)

@@ -6,7 +6,7 @@
 #include "lockstep/build_info.h"
 
 #ifdef LOCKSTEP_WITH_CUDA
-#include "device_info.h"
+#include "kernels/device_info.h"
 #endif
 #ifdef LOCKSTEP_WITH_MPI
 #include "mpi_info.h"

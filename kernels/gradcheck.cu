@@ -1,0 +1,355 @@
+// CUDA side of the fused gradient check: one launch over the whole tensor table.
+//
+// Shape: a persistent grid walks fixed-size chunks of the segment table. Inside a chunk each
+// thread reads 16-byte vectors (scalar head and tail peeled off so the vectors are aligned),
+// squares into an fp32 register (a bounded run: one thread's share of one chunk) and counts
+// nonfinite elements; warps reduce counts with __reduce_add_sync and sums with shuffles; each
+// block writes one result per chunk. The last block to finish (a ticket counter) reduces the
+// chunk results in a fixed order into per-tensor and total stats, then resets the counter, so
+// the same input always gives the same bits and the launch can be replayed in a CUDA graph.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <vector>
+
+#include "kernels/gradcheck.h"
+
+namespace lockstep::kernels {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int64_t kChunkElems = 32768;
+
+struct Chunk {
+  const void* ptr;
+  int32_t count;  // <= kChunkElems
+  int32_t tensor;
+  int32_t dtype;
+};
+
+struct PlanView {  // what the kernel reads; passed by value
+  const Chunk* chunks;
+  const int32_t* tensor_first;  // [num_tensors + 1]: chunks of tensor t are [first[t], first[t+1])
+  double* chunk_sumsq;
+  unsigned long long* chunk_nonfinite;
+  unsigned int* chunk_overflow;
+  unsigned int* ticket;
+  int num_chunks;
+  int num_tensors;
+};
+
+template <int D>
+struct Elem;
+template <>
+struct Elem<0> {  // fp32
+  using Raw = float;
+  __device__ static bool load(const float* p, int64_t i, float& x) {
+    x = p[i];
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+  }
+};
+template <>
+struct Elem<1> {  // bf16: the top half of an fp32
+  using Raw = unsigned short;
+  __device__ static bool load(const unsigned short* p, int64_t i, float& x) {
+    uint32_t b = static_cast<uint32_t>(p[i]) << 16;
+    x = __uint_as_float(b);
+    return (b & 0x7f800000u) != 0x7f800000u;
+  }
+};
+template <>
+struct Elem<2> {  // fp16
+  using Raw = unsigned short;
+  __device__ static bool load(const unsigned short* p, int64_t i, float& x) {
+    unsigned short h = p[i];
+    x = __half2float(__ushort_as_half(h));
+    return (h & 0x7c00u) != 0x7c00u;
+  }
+};
+
+// Calls f(value, finite) for every element this thread owns in the chunk: scalar head up to
+// 16-byte alignment, 16-byte vectors, scalar tail.
+template <int D, typename F>
+__device__ __forceinline__ void walk(const Chunk& c, F&& f) {
+  using Raw = typename Elem<D>::Raw;
+  constexpr int kPer = 16 / sizeof(Raw);
+  const Raw* p = static_cast<const Raw*>(c.ptr);
+  const int64_t n = c.count;
+  int64_t head = ((16 - (reinterpret_cast<uintptr_t>(p) & 15)) & 15) / sizeof(Raw);
+  if (reinterpret_cast<uintptr_t>(p) % sizeof(Raw) != 0) head = n;  // never for real tensors
+  if (head > n) head = n;
+  for (int64_t i = threadIdx.x; i < head; i += kThreads) {
+    float x;
+    bool ok = Elem<D>::load(p, i, x);
+    f(x, ok);
+  }
+  const int64_t nvec = (n - head) / kPer;
+  const uint4* v = reinterpret_cast<const uint4*>(p + head);
+  for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
+    uint4 w = __ldg(v + j);
+    const Raw* r = reinterpret_cast<const Raw*>(&w);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      float x;
+      bool ok = Elem<D>::load(r, k, x);
+      f(x, ok);
+    }
+  }
+  for (int64_t i = head + nvec * kPer + threadIdx.x; i < n; i += kThreads) {
+    float x;
+    bool ok = Elem<D>::load(p, i, x);
+    f(x, ok);
+  }
+}
+
+// fp64 elements: plain strided loop (fp64 gradients are rare; correctness over speed).
+template <typename F>
+__device__ __forceinline__ void walk_f64(const Chunk& c, F&& f) {
+  const double* p = static_cast<const double*>(c.ptr);
+  for (int64_t i = threadIdx.x; i < c.count; i += kThreads) {
+    double x = p[i];
+    f(x, (__double_as_longlong(x) & 0x7ff0000000000000LL) != 0x7ff0000000000000LL);
+  }
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Fixed-shape block reduction of a double (lane 0 of each warp, then warp 0): deterministic.
+__device__ double block_sum(double v, double* smem) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();  // smem may still be read from the previous call
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < kWarps ? smem[threadIdx.x] : 0.0;
+  if (warp == 0) v = warp_sum(v);
+  return v;  // valid in thread 0
+}
+
+__device__ unsigned long long block_count(unsigned int c, unsigned long long* smem) {
+#if __CUDA_ARCH__ >= 800
+  unsigned int w = __reduce_add_sync(0xffffffffu, c);  // warp-aggregated count
+#else
+  unsigned int w = c;
+  for (int o = 16; o > 0; o >>= 1) w += __shfl_down_sync(0xffffffffu, w, o);
+#endif
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) smem[warp] = w;
+  __syncthreads();
+  unsigned long long total = 0;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < kWarps; ++i) total += smem[i];
+  return total;  // valid in thread 0
+}
+
+template <int D>
+__device__ void check_chunk(const Chunk& c, double& sumsq, unsigned int& nonfinite,
+                            unsigned int& overflow) {
+  float acc = 0.f;
+  unsigned int nf = 0;
+  walk<D>(c, [&](float x, bool ok) {
+    if (ok)
+      acc = fmaf(x, x, acc);
+    else
+      ++nf;
+  });
+  if (!isfinite(acc)) {  // only squares of finite values went in: fp32 overflow, redo in fp64
+    double d = 0;
+    walk<D>(c, [&](float x, bool ok) {
+      if (ok) d += static_cast<double>(x) * x;
+    });
+    sumsq = d;
+    overflow = 1;
+  } else {
+    sumsq = acc;
+  }
+  nonfinite = nf;
+}
+
+__global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double* out) {
+  __shared__ double dsm[kWarps];
+  __shared__ unsigned long long usm[kWarps];
+  __shared__ bool is_last;
+
+  for (int ci = blockIdx.x; ci < p.num_chunks; ci += gridDim.x) {
+    const Chunk c = p.chunks[ci];
+    double sumsq = 0;
+    unsigned int nf = 0, ovf = 0;
+    switch (c.dtype) {
+      case 0: check_chunk<0>(c, sumsq, nf, ovf); break;
+      case 1: check_chunk<1>(c, sumsq, nf, ovf); break;
+      case 2: check_chunk<2>(c, sumsq, nf, ovf); break;
+      default:
+        walk_f64(c, [&](double x, bool ok) {
+          if (ok)
+            sumsq += x * x;
+          else
+            ++nf;
+        });
+    }
+    const double s = block_sum(sumsq, dsm);
+    const unsigned long long n = block_count(nf, usm);
+    const unsigned long long o = block_count(ovf, usm);
+    if (threadIdx.x == 0) {
+      p.chunk_sumsq[ci] = s;
+      p.chunk_nonfinite[ci] = n;
+      p.chunk_overflow[ci] = static_cast<unsigned int>(o);
+    }
+  }
+
+  // The last block to arrive reduces every chunk result in a fixed order.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  // Per tensor: its chunks in order (one thread per tensor).
+  for (int t = threadIdx.x; t < p.num_tensors; t += kThreads) {
+    double s = 0, n = 0;
+    for (int ci = p.tensor_first[t]; ci < p.tensor_first[t + 1]; ++ci) {
+      s += __ldcg(p.chunk_sumsq + ci);
+      n += static_cast<double>(__ldcg(p.chunk_nonfinite + ci));
+    }
+    out[kStatsHeader + 2 * t] = n;
+    out[kStatsHeader + 2 * t + 1] = s;
+  }
+  __syncthreads();
+  // Totals: each thread a fixed strided subset in order, then the fixed-shape block sum.
+  double ts = 0, tn = 0, to = 0;
+  for (int t = threadIdx.x; t < p.num_tensors; t += kThreads) {
+    tn += out[kStatsHeader + 2 * t];
+    ts += out[kStatsHeader + 2 * t + 1];
+  }
+  for (int ci = threadIdx.x; ci < p.num_chunks; ci += kThreads) to += __ldcg(p.chunk_overflow + ci);
+  tn = block_sum(tn, dsm);
+  ts = block_sum(ts, dsm);
+  to = block_sum(to, dsm);
+  if (threadIdx.x == 0) {
+    out[0] = tn;
+    out[1] = ts;
+    out[2] = to;
+    *p.ticket = 0;  // ready for the next launch (or graph replay)
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) sum_kernel(PlanView p, double* out) {
+  __shared__ double dsm[kWarps];
+  double mine = 0;
+  for (int ci = blockIdx.x; ci < p.num_chunks; ci += gridDim.x) {
+    const Chunk c = p.chunks[ci];
+    float acc = 0.f;
+    auto add = [&](float x, bool) { acc += x; };
+    switch (c.dtype) {
+      case 0: walk<0>(c, add); break;
+      case 1: walk<1>(c, add); break;
+      case 2: walk<2>(c, add); break;
+      default: walk_f64(c, [&](double x, bool) { mine += x; });
+    }
+    mine += acc;
+  }
+  const double s = block_sum(mine, dsm);
+  if (threadIdx.x == 0) atomicAdd(out, s);
+}
+
+}  // namespace
+
+struct CudaPlan {
+  PlanView view{};
+  void* chunk_mem = nullptr;  // one allocation for every device array
+  int grid = 1;
+};
+
+int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
+                     CudaPlan** out) {
+  std::vector<Chunk> chunks;
+  std::vector<int32_t> first(static_cast<size_t>(num_tensors) + 1, 0);
+  int cur_tensor = 0;
+  for (int s = 0; s < num_segments; ++s) {
+    const Segment& g = segments[s];
+    while (cur_tensor <= g.tensor) first[cur_tensor++] = static_cast<int32_t>(chunks.size());
+    const int size = dtype_size(g.dtype);
+    for (int64_t start = 0; start < g.count; start += kChunkElems) {
+      const int64_t n = g.count - start < kChunkElems ? g.count - start : kChunkElems;
+      chunks.push_back({static_cast<const char*>(g.ptr) + start * size, static_cast<int32_t>(n),
+                        g.tensor, static_cast<int32_t>(g.dtype)});
+    }
+  }
+  while (cur_tensor <= num_tensors) first[cur_tensor++] = static_cast<int32_t>(chunks.size());
+
+  const size_t nc = chunks.empty() ? 1 : chunks.size();
+  auto align = [](size_t x) { return (x + 255) & ~size_t{255}; };
+  const size_t off_first = align(nc * sizeof(Chunk));
+  const size_t off_sumsq = off_first + align(first.size() * sizeof(int32_t));
+  const size_t off_nf = off_sumsq + align(nc * sizeof(double));
+  const size_t off_ovf = off_nf + align(nc * sizeof(unsigned long long));
+  const size_t off_ticket = off_ovf + align(nc * sizeof(unsigned int));
+  const size_t bytes = off_ticket + 256;
+
+  auto* plan = new CudaPlan;
+  cudaError_t e = cudaMalloc(&plan->chunk_mem, bytes);
+  if (e != cudaSuccess) {
+    delete plan;
+    return e;
+  }
+  char* base = static_cast<char*>(plan->chunk_mem);
+  if (!chunks.empty()) e = cudaMemcpy(base, chunks.data(), chunks.size() * sizeof(Chunk),
+                                      cudaMemcpyHostToDevice);
+  if (e == cudaSuccess)
+    e = cudaMemcpy(base + off_first, first.data(), first.size() * sizeof(int32_t),
+                   cudaMemcpyHostToDevice);
+  if (e == cudaSuccess) e = cudaMemset(base + off_ticket, 0, sizeof(unsigned int));
+  int device = 0, sms = 1, per_sm = 1;
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gradcheck_kernel, kThreads, 0);
+  if (e != cudaSuccess) {
+    cudaFree(plan->chunk_mem);
+    delete plan;
+    return e;
+  }
+  plan->view = {reinterpret_cast<const Chunk*>(base),
+                reinterpret_cast<const int32_t*>(base + off_first),
+                reinterpret_cast<double*>(base + off_sumsq),
+                reinterpret_cast<unsigned long long*>(base + off_nf),
+                reinterpret_cast<unsigned int*>(base + off_ovf),
+                reinterpret_cast<unsigned int*>(base + off_ticket),
+                static_cast<int>(chunks.size()),
+                num_tensors};
+  const int persistent = sms * (per_sm > 0 ? per_sm : 1);
+  plan->grid = static_cast<int>(chunks.size()) < persistent ? static_cast<int>(chunks.size())
+                                                            : persistent;
+  if (plan->grid < 1) plan->grid = 1;
+  *out = plan;
+  return cudaSuccess;
+}
+
+void cuda_plan_destroy(CudaPlan* plan) {
+  if (!plan) return;
+  cudaFree(plan->chunk_mem);
+  delete plan;
+}
+
+int cuda_check(const CudaPlan* plan, double* out, void* stream) {
+  gradcheck_kernel<<<plan->grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(plan->view,
+                                                                                   out);
+  return cudaGetLastError();
+}
+
+int cuda_sum(const CudaPlan* plan, double* out, void* stream) {
+  auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), s);
+  if (e != cudaSuccess) return e;
+  sum_kernel<<<plan->grid, kThreads, 0, s>>>(plan->view, out);
+  return cudaGetLastError();
+}
+
+}  // namespace lockstep::kernels

@@ -1,0 +1,85 @@
+// Fused gradient health check: one read pass over gradient bytes that yields, per tensor, the
+// exact count of nonfinite elements (nan, +inf, -inf) and the sum of squares of the finite
+// elements. Framework-free: raw pointers in, plain structs out (CPU) or a device buffer (CUDA).
+//
+// Numerics: squares are accumulated in fp32 within bounded runs (kRunElems elements per run on
+// the CPU, one thread's share of a chunk on CUDA) and in fp64 across runs. When a run's fp32
+// partial overflows although all its elements are finite (|x| > ~1.8e19), that run is summed
+// again in fp64 and counted in `overflow_runs`: "nonfinite values" and "a norm too large for
+// fp32" are different facts and are reported apart.
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep::kernels {
+
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
+
+inline int dtype_size(DType d) {
+  switch (d) {
+    case DType::kF32: return 4;
+    case DType::kBF16:
+    case DType::kF16: return 2;
+    case DType::kF64: return 8;
+  }
+  return 0;
+}
+
+// A contiguous run of one tensor's elements that lies in the checked shard.
+struct Segment {
+  const void* ptr;  // first element of the run
+  int64_t count;    // elements
+  int32_t tensor;   // index of the tensor (its output slot)
+  DType dtype;
+};
+
+// The stats of one span of elements.
+struct SpanStats {
+  int64_t nonfinite = 0;      // exact
+  double sumsq = 0.0;         // of the finite elements
+  int64_t overflow_runs = 0;  // runs whose fp32 partial overflowed and were redone in fp64
+};
+
+// Layout of the output buffer (fp64, one small buffer shaped for a single collective; the
+// counts are exact integers, well below 2^53):
+//   [0] total nonfinite count   [1] total sum of squares   [2] overflow runs
+//   [3 + 2 i] tensor i nonfinite count   [4 + 2 i] tensor i sum of squares
+constexpr int kStatsHeader = 3;
+constexpr int stats_size(int num_tensors) { return kStatsHeader + 2 * num_tensors; }
+
+// --- CPU ---------------------------------------------------------------------------------
+constexpr int64_t kRunElems = 4096;  // fp32 accumulation run on the CPU
+
+// One span, single-threaded, SIMD (the best of AVX-512 / AVX2 / SSE2 chosen at run time).
+SpanStats check_span_cpu(const void* ptr, int64_t count, DType dtype);
+
+// The speed-of-light baseline: a plain SIMD sum of the same bytes (no checks), same dispatch.
+double sum_span_cpu(const void* ptr, int64_t count, DType dtype);
+
+// Which instruction set check_span_cpu runs with on this machine ("avx512f", "avx2", "sse2").
+const char* cpu_isa();
+
+// --- CUDA --------------------------------------------------------------------------------
+// A plan: the segment table cut into chunks, uploaded once and reused while the gradient
+// pointers stay the same. All device memory is allocated when the plan is built, so a check
+// allocates nothing, copies nothing from the host, and can be captured in a CUDA graph.
+struct CudaPlan;
+
+// Builds a plan on the current device. Returns cudaSuccess (0) or the CUDA error code.
+int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
+                     CudaPlan** plan);
+void cuda_plan_destroy(CudaPlan* plan);
+
+// One launch: writes stats_size(num_tensors) doubles to `out` (device memory) on `stream`
+// (a cudaStream_t). The result is bitwise deterministic for a given plan and input.
+int cuda_check(const CudaPlan* plan, double* out, void* stream);
+
+// The speed-of-light baseline on the device: a plain vectorized sum over the same chunks,
+// written to out[0]. Same launch shape as cuda_check.
+int cuda_sum(const CudaPlan* plan, double* out, void* stream);
+
+// Launches and device-to-host syncs issued by one cuda_check call (for the benchmark).
+constexpr int kCudaCheckLaunches = 1;
+constexpr int kCudaCheckHostSyncs = 0;
+
+}  // namespace lockstep::kernels

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Builds lockstep on a GPU machine that has CUDA, nvcc, CMake, Ninja and a CUDA torch (in its
+# python3) but no package registry, runs every `gpu`-labelled test and the GPU benchmarks, and
+# writes the results into OUT_DIR. The other build dependencies come from .gpu-deps/debs
+# (made by launch/gpu_deps.sh on a machine with Debian's registry), unpacked without dpkg.
+#   launch/gpu_check.sh OUT_DIR
+set -uo pipefail
+out="${1:?usage: launch/gpu_check.sh OUT_DIR}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${LOCKSTEP_GPU_BUILD_DIR:-$root/build-gpu}"
+mkdir -p "$out"
+log() { printf '[gpu_check %(%H:%M:%S)T] %s\n' -1 "$*" | tee -a "$out/summary.txt"; }
+status=0
+
+# --- dependencies carried as Debian packages -----------------------------------------------
+deps="$root/.gpu-deps"
+prefix_path=""
+if compgen -G "$deps/debs/*.deb" >/dev/null; then
+  mkdir -p "$deps/root"
+  for d in "$deps"/debs/*.deb; do
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$d" "$deps/root"
+    else  # a .deb is an ar archive holding data.tar.{xz,zst,gz}
+      member=$(ar t "$d" | grep '^data.tar')
+      case "$member" in
+        *.xz) flag=-J ;; *.zst) flag=--zstd ;; *.gz) flag=-z ;; *) flag= ;;
+      esac
+      ar p "$d" "$member" | tar -x $flag -C "$deps/root" -f -
+    fi
+  done
+  prefix_path="$deps/root/usr"
+  export LD_LIBRARY_PATH="$deps/root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  log "using carried packages: $(ls "$deps/debs" | tr '\n' ' ')"
+fi
+
+torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))') || {
+  log "python3 has no torch"; exit 1; }
+nvcc_path=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+cuda_root=$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")
+log "torch $(python3 -c 'import torch; print(torch.__version__)') at $torch_dir; CUDA at $cuda_root"
+{ nvidia-smi; } >"$out/nvidia-smi.txt" 2>&1
+
+# --- build ---------------------------------------------------------------------------------
+nvrtc_arg=""
+if ! ls "$cuda_root"/lib*/libnvrtc.so* >/dev/null 2>&1; then
+  nvrtc=$(ls "$torch_dir"/../nvidia/*/lib/libnvrtc.so.* 2>/dev/null | grep -v -e builtins -e alt | head -1)
+  [[ -n "$nvrtc" ]] && nvrtc_arg="-DCUDA_nvrtc_LIBRARY=$nvrtc"
+fi
+if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;$prefix_path" \
+    -DLOCKSTEP_CUDA=ON -DLOCKSTEP_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" \
+    -DCUDAToolkit_ROOT="$cuda_root" $nvrtc_arg >"$out/configure.log" 2>&1; then
+  log "configure FAILED (configure.log)"; tail -30 "$out/configure.log"; exit 1
+fi
+start=$SECONDS
+if ! cmake --build "$build" -j "$(nproc)" >"$out/build.log" 2>&1; then
+  log "build FAILED (build.log)"; grep -E "error|FAILED" "$out/build.log" | head -30; exit 1
+fi
+log "built in $((SECONDS - start)) s"
+"$build/bin/lockstep" version >"$out/version.txt" 2>&1
+cat "$out/version.txt"
+
+# --- GPU tests -------------------------------------------------------------------------------
+(cd "$build" && ctest -L gpu --output-on-failure --timeout 300) >"$out/gpu_tests.log" 2>&1 \
+  || status=1
+log "gpu tests: $(grep -E 'tests passed|tests failed' "$out/gpu_tests.log")"
+
+# --- benchmarks ------------------------------------------------------------------------------
+"$build/bin/lockstep" bench gradcheck --device cuda --sizes 1 16 256 1024 4096 \
+  --min-seconds 0.3 >"$out/bench_gradcheck.txt" 2>&1 || status=1
+cat "$out/bench_gradcheck.txt"
+"$build/bin/lockstep" bench gradcheck --device cuda --sizes 1024 4096 --json --min-seconds 0.3 \
+  >"$out/bench_gradcheck.jsonl" 2>&1 || status=1
+
+# --- the training loop on the GPU ---------------------------------------------------------
+"$build/bin/lockstep" train --training.device cuda --job.dump_folder "$build/run-gpu" \
+  --checkpoint.load_step 0 --training.steps 200 --metrics.log_freq 50 >"$out/train_gpu.log" 2>&1 \
+  || status=1
+tail -3 "$out/train_gpu.log" | tee -a "$out/summary.txt"
+log "done, status $status"
+exit $status

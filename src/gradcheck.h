@@ -1,0 +1,69 @@
+// The LibTorch face of the fused gradient health check (kernels/gradcheck.h): validates the
+// gradient tensors, builds the segment table for the shard this rank owns, and runs the
+// one-pass check on the CPU (SIMD, multi-threaded) or on CUDA (one launch, no host sync).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+#include "kernels/gradcheck.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+struct GradCheckStats {  // the stats buffer read back on the host
+  double nonfinite = 0;
+  double sumsq = 0;
+  double overflow_runs = 0;
+  std::vector<double> tensor_nonfinite, tensor_sumsq;
+};
+
+class GradCheck {
+ public:
+  // Checks the elements [offset, offset + length) of the concatenation of `grads` in order
+  // (length -1: to the end). The shard may cut tensors anywhere. Throws std::invalid_argument
+  // naming the tensor for an unsupported dtype, a non-contiguous or sparse tensor, or mixed
+  // devices.
+  explicit GradCheck(std::vector<NamedTensor> grads, int64_t offset = 0, int64_t length = -1);
+  ~GradCheck();
+  GradCheck(const GradCheck&) = delete;
+  GradCheck& operator=(const GradCheck&) = delete;
+
+  // One pass. Returns the fp64 stats buffer (kernels::stats_size(num_tensors()) elements, on
+  // the gradients' device; see kernels/gradcheck.h for the layout). On CUDA the call neither
+  // allocates nor syncs with the host; the buffer is reused by the next call.
+  at::Tensor run();
+
+  // The speed-of-light baseline for benchmarks: a plain SIMD sum over the same blocks and
+  // launch shape, no checks. Asynchronous on CUDA.
+  void sum_baseline();
+
+  // Re-points the check at new gradient storage (same shapes, dtypes and order).
+  void rebind(const std::vector<NamedTensor>& grads);
+
+  int num_tensors() const { return static_cast<int>(grads_.size()); }
+  const std::vector<NamedTensor>& tensors() const { return grads_; }
+  int64_t shard_elements() const { return shard_elements_; }
+
+  static GradCheckStats read(const at::Tensor& stats);
+
+ private:
+  void build_table();
+
+  struct Block {  // a piece of one segment: the unit of CPU parallelism
+    int32_t segment;
+    int64_t start, count;
+  };
+  std::vector<NamedTensor> grads_;
+  int64_t offset_, length_;
+  int64_t shard_elements_ = 0;
+  std::vector<kernels::Segment> segments_;
+  std::vector<Block> blocks_;
+  at::Tensor out_, sum_out_;
+  struct Cuda;
+  std::unique_ptr<Cuda> cuda_;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,91 @@
+// The CUDA gradient check against the CPU one and the ATen reference. Labelled `gpu` in ctest;
+// every test skips cleanly where no GPU is visible.
+#include <ATen/Context.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
+#include <ATen/ops/zeros.h>
+
+#include <limits>
+
+#include "gradcheck_reference.h"
+
+using namespace lockstep;
+using lockstep::test::expect_matches;
+using lockstep::test::random_grads;
+using lockstep::test::reference_stats;
+
+namespace {
+
+const c10::Device kCuda(c10::kCUDA, 0);
+const double kNan = std::numeric_limits<double>::quiet_NaN();
+const double kInf = std::numeric_limits<double>::infinity();
+
+#define SKIP_WITHOUT_GPU() \
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible"
+
+GradCheckStats run_check(const std::vector<NamedTensor>& grads, int64_t offset = 0,
+                         int64_t length = -1) {
+  GradCheck check(grads, offset, length);
+  return GradCheck::read(check.run());
+}
+
+std::vector<NamedTensor> to_cpu(const std::vector<NamedTensor>& g) {
+  std::vector<NamedTensor> out;
+  for (const auto& t : g) out.push_back({t.name, t.tensor.to(at::kCPU)});
+  return out;
+}
+
+}  // namespace
+
+TEST(GradCheckCuda, EveryDtypeWithPlantedValues) {
+  SKIP_WITHOUT_GPU();
+  for (auto dt : {at::kFloat, at::kBFloat16, at::kHalf, at::kDouble}) {
+    auto grads = random_grads({0, 1, 7, 33, 1000003, (1 << 20) + 3}, dt, kCuda);
+    grads[4].tensor.select(0, 0).fill_(kNan);
+    grads[4].tensor.select(0, 1000002).fill_(kInf);
+    grads[5].tensor.select(0, 12345).fill_(-kInf);
+    auto want = reference_stats(to_cpu(grads));
+    expect_matches(run_check(grads), want);
+    EXPECT_EQ(run_check(grads).nonfinite, 3) << c10::toString(dt);
+  }
+}
+
+TEST(GradCheckCuda, OverflowIsNotNonfinite) {
+  SKIP_WITHOUT_GPU();
+  at::Tensor t = at::zeros({100000}, at::TensorOptions().dtype(at::kFloat).device(kCuda));
+  t.select(0, 5).fill_(1e30);
+  t.select(0, 99999).fill_(-2e25);
+  std::vector<NamedTensor> grads = {{"t", t}};
+  auto got = run_check(grads);
+  EXPECT_EQ(got.nonfinite, 0);
+  EXPECT_GE(got.overflow_runs, 1);
+  EXPECT_NEAR(got.sumsq, 1e60 + 4e50, 1e-12 * 1e60);
+}
+
+TEST(GradCheckCuda, TinyTensorsShardsAndUnalignedViews) {
+  SKIP_WITHOUT_GPU();
+  std::vector<int64_t> sizes;
+  for (int i = 0; i < 10000; ++i) sizes.push_back(i % 9);
+  auto tiny = random_grads(sizes, at::kFloat, kCuda);
+  tiny[9000].tensor.select(0, 2).fill_(kNan);
+  expect_matches(run_check(tiny), reference_stats(to_cpu(tiny)));
+
+  at::Tensor flat = at::randn({300001}, at::TensorOptions().dtype(at::kBFloat16).device(kCuda));
+  std::vector<NamedTensor> views = {{"a", flat.narrow(0, 1, 99999)},
+                                    {"b", flat.narrow(0, 100003, 150001)},
+                                    {"c", flat.narrow(0, 250005, 3)}};
+  auto cpu_views = to_cpu(views);
+  for (int world : {1, 2, 3}) {
+    const int64_t per = (99999 + 150001 + 3 + world - 1) / world;
+    for (int r = 0; r < world; ++r)
+      expect_matches(run_check(views, r * per, per), reference_stats(cpu_views, r * per, per));
+  }
+}
+
+TEST(GradCheckCuda, SameInputSameBits) {
+  SKIP_WITHOUT_GPU();
+  auto grads = random_grads({50000000, 4097, 3}, at::kFloat, kCuda);
+  GradCheck check(grads);
+  at::Tensor a = check.run().clone();
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(at::equal(check.run(), a)) << "run " << i;
+}
