@@ -43,3 +43,5 @@ export LOCKSTEP_BUILD_DIR="${LOCKSTEP_CUDA_BUILD_DIR:-$root/build-cuda}"
 export LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc -DCUDA_TOOLKIT_ROOT_DIR=$cuda_root -DCUDAToolkit_ROOT=$cuda_root $extra ${LOCKSTEP_CUDA_CMAKE_ARGS:-}"
 "$root/launch/setup.sh"
 "$LOCKSTEP_BUILD_DIR/bin/lockstep" version
+# The gpu-labelled tests run on a GPU machine (launch/gpu_check.sh); here they must skip cleanly.
+(cd "$LOCKSTEP_BUILD_DIR" && ctest -L gpu --output-on-failure)

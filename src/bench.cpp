@@ -1,5 +1,6 @@
 #include "bench.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_foreach_norm.h>
@@ -161,6 +162,8 @@ bool bench_gradcheck(const GradcheckBenchOptions& o) {
 #ifndef LOCKSTEP_WITH_CUDA
   if (cuda) throw ConfigError("bench: --device cuda needs a build with LOCKSTEP_CUDA");
 #endif
+  if (cuda && !at::hasCUDA())
+    throw ConfigError("bench: --device cuda but no CUDA device is visible; use --device cpu");
   at::set_num_threads(o.threads);
   const c10::Device dev = cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
   std::string machine;

@@ -4,6 +4,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include <limits>
 
@@ -88,4 +91,30 @@ TEST(GradCheckCuda, SameInputSameBits) {
   GradCheck check(grads);
   at::Tensor a = check.run().clone();
   for (int i = 0; i < 5; ++i) EXPECT_TRUE(at::equal(check.run(), a)) << "run " << i;
+}
+
+TEST(GradCheckCuda, CapturedInACudaGraphAndReplayed) {
+  // A check that allocated, copied from the host or synced could not be captured.
+  SKIP_WITHOUT_GPU();
+  auto grads = random_grads({1 << 20, 333, 7}, at::kFloat, kCuda);
+  grads[1].tensor.select(0, 3).fill_(kNan);
+  GradCheck check(grads);
+  at::Tensor eager = check.run().clone();
+
+  c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool();
+  c10::cuda::CUDAStreamGuard guard(stream);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream.stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  at::Tensor out = check.run();
+  ASSERT_EQ(cudaStreamEndCapture(stream.stream(), &graph), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 3; ++replay) {
+    out.zero_();
+    ASSERT_EQ(cudaGraphLaunch(exec, stream.stream()), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream.stream()), cudaSuccess);
+    EXPECT_TRUE(at::equal(out, eager)) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
