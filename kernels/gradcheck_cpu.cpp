@@ -101,58 +101,116 @@ double sumsq_f64(const unsigned char* p, int64_t n) {
   return s;
 }
 
+// Fast path, one run: the fp32 sum of squares of every element, nonfinite ones included. A nan
+// or inf element makes its lane's sum nonfinite (squares are >= 0, so inf never meets -inf),
+// and so does a finite square past fp32's range: a finite result therefore proves the run holds
+// no nonfinite element and no overflow. Returns +inf when the run needs the exact path.
 template <DType D, int W>
-LS_INLINE SpanStats check_narrow(const unsigned char* p, int64_t count) {
+LS_INLINE double fast_run(const unsigned char* q, int64_t n) {
   using vf = typename Vec<W>::f;
   using vi = typename Vec<W>::i;
+  using vh = typename Vec<W>::h;
+  constexpr int kSize = D == DType::kF32 ? 4 : 2;
+  auto load = [&](const unsigned char* p, vf& x, vi& special) {
+    if constexpr (D == DType::kF32) {
+      std::memcpy(&x, p, sizeof x);
+    } else if constexpr (D == DType::kBF16) {
+      vh h;
+      std::memcpy(&h, p, sizeof h);
+      x = (vf)(__builtin_convertvector(h, vi) << 16);
+    } else {  // fp16: the rebias multiply maps inf/nan to 65536, so flag them by exponent
+      vh h;
+      std::memcpy(&h, p, sizeof h);
+      vi w = __builtin_convertvector(h, vi) & 0x7fff;
+      special |= (w & kF16ExpMask) + 0x0400;  // bit 15 set iff the exponent is all ones
+      x = (vf)(w << 13) * 0x1p112f;
+    }
+  };
+  vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  vi special = {};
+  int64_t i = 0;
+  for (; i + 4 * W <= n; i += 4 * W) {  // 4 independent accumulators hide the add latency
+    vf x0, x1, x2, x3;
+    load(q + (i + 0 * W) * kSize, x0, special);
+    load(q + (i + 1 * W) * kSize, x1, special);
+    load(q + (i + 2 * W) * kSize, x2, special);
+    load(q + (i + 3 * W) * kSize, x3, special);
+    a0 += x0 * x0;
+    a1 += x1 * x1;
+    a2 += x2 * x2;
+    a3 += x3 * x3;
+  }
+  for (; i + W <= n; i += W) {
+    vf x;
+    load(q + i * kSize, x, special);
+    a0 += x * x;
+  }
+  float tail = 0;
+  for (; i < n; ++i) {
+    double v;
+    if (!load1<D>(q + i * kSize, v)) return INFINITY;
+    tail += static_cast<float>(v * v);
+  }
+  if constexpr (D == DType::kF16) {
+    int32_t any = 0;
+    for (int l = 0; l < W; ++l) any |= special[l];
+    if (any & 0x8000) return INFINITY;
+  }
+  return hsum<W>((a0 + a1) + (a2 + a3)) + tail;
+}
+
+// Exact path, one run: counts nonfinite elements and sums the squares of the finite ones; a run
+// whose fp32 partial overflows is summed again in fp64 and counted in overflow_runs.
+template <DType D, int W>
+LS_INLINE SpanStats exact_run(const unsigned char* q, int64_t n) {
+  using vf = typename Vec<W>::f;
+  using vi = typename Vec<W>::i;
+  constexpr int kSize = D == DType::kF32 ? 4 : 2;
+  vf a0 = {}, a1 = {};
+  vi c = {};
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    vf x0, x1;
+    vi n0, n1;
+    loadw<D, W>(q + i * kSize, x0, n0);
+    loadw<D, W>(q + (i + W) * kSize, x1, n1);
+    a0 += x0 * x0;
+    a1 += x1 * x1;
+    c += n0 + n1;  // each lane adds -1 per nonfinite element
+  }
+  float tail = 0;
+  int64_t nonfinite = 0;
+  for (; i < n; ++i) {
+    double v;
+    if (load1<D>(q + i * kSize, v))
+      tail += static_cast<float>(v * v);
+    else
+      ++nonfinite;
+  }
+  for (int l = 0; l < W; ++l) nonfinite -= c[l];
+  // Nonfinite elements were zeroed: an infinite lane now means the squares overflowed fp32.
+  double run = hsum<W>(a0 + a1) + tail;
+  const bool overflow = !std::isfinite(run);
+  if (overflow) run = sumsq_f64<D>(q, n);
+  return {nonfinite, run, overflow ? 1 : 0};
+}
+
+template <DType D, int W>
+LS_INLINE SpanStats check_narrow(const unsigned char* p, int64_t count) {
   constexpr int kSize = D == DType::kF32 ? 4 : 2;
   SpanStats out;
   for (int64_t start = 0; start < count; start += kRunElems) {
     const int64_t n = count - start < kRunElems ? count - start : kRunElems;
     const unsigned char* q = p + start * kSize;
-    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    vi c = {};
-    int64_t i = 0;
-    for (; i + 4 * W <= n; i += 4 * W) {  // 4 independent accumulators hide the add latency
-      vf x0, x1, x2, x3;
-      vi n0, n1, n2, n3;
-      loadw<D, W>(q + (i + 0 * W) * kSize, x0, n0);
-      loadw<D, W>(q + (i + 1 * W) * kSize, x1, n1);
-      loadw<D, W>(q + (i + 2 * W) * kSize, x2, n2);
-      loadw<D, W>(q + (i + 3 * W) * kSize, x3, n3);
-      a0 += x0 * x0;
-      a1 += x1 * x1;
-      a2 += x2 * x2;
-      a3 += x3 * x3;
-      c += (n0 + n1) + (n2 + n3);  // each lane adds -1 per nonfinite element
+    const double fast = fast_run<D, W>(q, n);
+    if (std::isfinite(fast)) {
+      out.sumsq += fast;
+      continue;
     }
-    for (; i + W <= n; i += W) {
-      vf x;
-      vi m;
-      loadw<D, W>(q + i * kSize, x, m);
-      a0 += x * x;
-      c += m;
-    }
-    float tail = 0;
-    int64_t tail_nonfinite = 0;
-    for (; i < n; ++i) {
-      double v;
-      if (load1<D>(q + i * kSize, v))
-        tail += static_cast<float>(v * v);
-      else
-        ++tail_nonfinite;
-    }
-    int64_t run_nonfinite = tail_nonfinite;
-    for (int l = 0; l < W; ++l) run_nonfinite -= c[l];
-    // Nonfinite elements were zeroed, so an infinite lane means squares overflowed fp32:
-    // redo this run in fp64 (rare; all its elements are finite).
-    const vf lanes = (a0 + a1) + (a2 + a3);
-    bool overflow = !std::isfinite(tail);
-    for (int l = 0; l < W; ++l) overflow |= !std::isfinite(lanes[l]);
-    const double run = overflow ? sumsq_f64<D>(q, n) : hsum<W>(lanes) + tail;
-    out.overflow_runs += overflow ? 1 : 0;
-    out.nonfinite += run_nonfinite;
-    out.sumsq += run;
+    const SpanStats exact = exact_run<D, W>(q, n);  // rare: a bad or huge gradient
+    out.nonfinite += exact.nonfinite;
+    out.sumsq += exact.sumsq;
+    out.overflow_runs += exact.overflow_runs;
   }
   return out;
 }

@@ -16,7 +16,7 @@ namespace {
 
 // CPU work unit: a multiple of the fp32 run length, so run boundaries (and so the bits of the
 // result) depend only on the segment table, never on the thread count.
-constexpr int64_t kBlockElems = 16 * kernels::kRunElems;
+constexpr int64_t kBlockElems = 4 * kernels::kRunElems;
 
 kernels::DType to_kernel_dtype(const NamedTensor& t) {
   switch (t.tensor.scalar_type()) {

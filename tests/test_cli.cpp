@@ -112,15 +112,39 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
                            " --training.local_batch_size 2 --training.seq_len 16";
   std::mt19937 rng(1234);
   int kills = 0;
+  // The newest complete checkpoint step, or -1.
+  auto latest = [&] {
+    int64_t best = -1;
+    std::error_code ec;
+    for (const auto& e : std::filesystem::directory_iterator(dir / "run/checkpoint", ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step-", 0) == 0 && name.find('.') == std::string::npos &&
+          std::filesystem::exists(e.path() / "meta.json"))
+        best = std::max<int64_t>(best, std::stoll(name.substr(5)));
+    }
+    return best;
+  };
   for (int attempt = 0; attempt < 3; ++attempt) {
+    const int64_t before = latest();
     pid_t pid = ::fork();
     if (pid == 0) {
       std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >/dev/null 2>&1";
       ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
       ::_exit(127);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1000 + rng() % 1000));
+    // Kill once this process has saved at least one checkpoint of its own (so the kill lands
+    // in steady training and saving, not in start-up), at a random moment after that.
     int status = 0;
+    bool exited = false;
+    for (int i = 0; i < 6000 && latest() <= before; ++i) {
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        exited = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_FALSE(exited) << "the run ended before saving a checkpoint";
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 700));
     if (::waitpid(pid, &status, WNOHANG) == 0) {
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);

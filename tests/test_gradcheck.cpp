@@ -93,6 +93,11 @@ TEST(GradCheck, HugeFiniteValuesOverflowFp32ButNotTheNorm) {
     EXPECT_TRUE(std::isfinite(got.sumsq));
     EXPECT_GE(got.overflow_runs, 1);  // reported apart from nonfinite values
     EXPECT_NEAR(got.sumsq, want.sumsq, 1e-12 * want.sumsq);
+    // Both at once in one run: the nan is counted, the norm stays right.
+    plant(t, 20, kNan);
+    got = run_check(grads);
+    EXPECT_EQ(got.nonfinite, 1);
+    EXPECT_NEAR(got.sumsq, want.sumsq, 1e-12 * want.sumsq);
   }
 }
 
