@@ -211,15 +211,20 @@ __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double*
   if (!is_last) return;
   __threadfence();
 
-  // Per tensor: its chunks in order (one thread per tensor).
-  for (int t = threadIdx.x; t < p.num_tensors; t += kThreads) {
+  // Per tensor, one warp: lane l sums chunks l, l+32, ... in order, then the fixed shuffle tree.
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int t = warp; t < p.num_tensors; t += kWarps) {
     double s = 0, n = 0;
-    for (int ci = p.tensor_first[t]; ci < p.tensor_first[t + 1]; ++ci) {
+    for (int ci = p.tensor_first[t] + lane; ci < p.tensor_first[t + 1]; ci += 32) {
       s += __ldcg(p.chunk_sumsq + ci);
       n += static_cast<double>(__ldcg(p.chunk_nonfinite + ci));
     }
-    out[kStatsHeader + 2 * t] = n;
-    out[kStatsHeader + 2 * t + 1] = s;
+    s = warp_sum(s);
+    n = warp_sum(n);
+    if (lane == 0) {
+      out[kStatsHeader + 2 * t] = n;
+      out[kStatsHeader + 2 * t + 1] = s;
+    }
   }
   __syncthreads();
   // Totals: each thread a fixed strided subset in order, then the fixed-shape block sum.
