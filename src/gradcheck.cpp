@@ -32,6 +32,16 @@ kernels::DType to_kernel_dtype(const NamedTensor& t) {
   }
 }
 
+// fn(block) for every block over ATen's thread pool; results in block order.
+template <typename R, typename F>
+std::vector<R> map_blocks(const std::vector<kernels::Segment>& blocks, F&& fn) {
+  std::vector<R> out(blocks.size());
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) out[b] = fn(blocks[b]);
+  });
+  return out;
+}
+
 }  // namespace
 
 #ifndef LOCKSTEP_WITH_CUDA
@@ -85,10 +95,10 @@ void GradCheck::build_table() {
     }
     base += n;
   }
-  for (size_t s = 0; s < segments_.size(); ++s)
-    for (int64_t start = 0; start < segments_[s].count; start += kBlockElems)
-      blocks_.push_back({static_cast<int32_t>(s), start,
-                         std::min(kBlockElems, segments_[s].count - start)});
+  for (const auto& seg : segments_)
+    for (int64_t start = 0; start < seg.count; start += kBlockElems)
+      blocks_.push_back({static_cast<const char*>(seg.ptr) + start * kernels::dtype_size(seg.dtype),
+                         std::min(kBlockElems, seg.count - start), seg.tensor, seg.dtype});
 
   const auto size = kernels::stats_size(num_tensors());
   out_ = at::empty({size}, grads_[0].tensor.options().dtype(at::kDouble));
@@ -108,21 +118,15 @@ at::Tensor GradCheck::run() {
   if (!out_.is_cpu())
     throw std::invalid_argument("gradient check: this build has no CUDA support for " +
                                 out_.device().str());
-  std::vector<kernels::SpanStats> partial(blocks_.size());
-  at::parallel_for(0, static_cast<int64_t>(blocks_.size()), 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const Block& blk = blocks_[b];
-      const kernels::Segment& seg = segments_[blk.segment];
-      auto ptr = static_cast<const char*>(seg.ptr) + blk.start * kernels::dtype_size(seg.dtype);
-      partial[b] = kernels::check_span_cpu(ptr, blk.count, seg.dtype);
-    }
+  const auto partial = map_blocks<kernels::SpanStats>(blocks_, [](const kernels::Segment& b) {
+    return kernels::check_span_cpu(b.ptr, b.count, b.dtype);
   });
   // Fixed-order reduction: blocks in table order into tensors, tensors in order into totals.
   double* out = out_.data_ptr<double>();
   std::fill(out, out + out_.numel(), 0.0);
   double overflow = 0;
   for (size_t b = 0; b < blocks_.size(); ++b) {
-    const int t = segments_[blocks_[b].segment].tensor;
+    const int t = blocks_[b].tensor;
     out[kernels::kStatsHeader + 2 * t] += static_cast<double>(partial[b].nonfinite);
     out[kernels::kStatsHeader + 2 * t + 1] += partial[b].sumsq;
     overflow += static_cast<double>(partial[b].overflow_runs);
@@ -143,14 +147,8 @@ void GradCheck::sum_baseline() {
     return;
   }
 #endif
-  std::vector<double> partial(blocks_.size());
-  at::parallel_for(0, static_cast<int64_t>(blocks_.size()), 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const Block& blk = blocks_[b];
-      const kernels::Segment& seg = segments_[blk.segment];
-      auto ptr = static_cast<const char*>(seg.ptr) + blk.start * kernels::dtype_size(seg.dtype);
-      partial[b] = kernels::sum_span_cpu(ptr, blk.count, seg.dtype);
-    }
+  const auto partial = map_blocks<double>(blocks_, [](const kernels::Segment& b) {
+    return kernels::sum_span_cpu(b.ptr, b.count, b.dtype);
   });
   double total = 0;
   for (double p : partial) total += p;

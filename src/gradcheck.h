@@ -52,15 +52,11 @@ class GradCheck {
  private:
   void build_table();
 
-  struct Block {  // a piece of one segment: the unit of CPU parallelism
-    int32_t segment;
-    int64_t start, count;
-  };
   std::vector<NamedTensor> grads_;
   int64_t offset_, length_;
   int64_t shard_elements_ = 0;
   std::vector<kernels::Segment> segments_;
-  std::vector<Block> blocks_;
+  std::vector<kernels::Segment> blocks_;  // segments cut into the units of CPU parallelism
   at::Tensor out_, sum_out_;
   struct Cuda;
   std::unique_ptr<Cuda> cuda_;

@@ -43,6 +43,13 @@ struct Job {
   }
 };
 
+// Saves `job` as step `step` (other counters zero).
+void save_step(const Checkpointer& ck, Job& job, int64_t step) {
+  TrainState st;
+  st.step = step;
+  ck.save(st, job.model.parameters(), job.opt.state(), config_json(tiny()));
+}
+
 void expect_same(const std::vector<NamedTensor>& a, const std::vector<NamedTensor>& b) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
@@ -92,11 +99,7 @@ TEST(Checkpoint, KeepLatestK) {
   test::TempDir dir;
   Checkpointer ck({dir / "ckpt", 2});
   Job a(1);
-  for (int64_t s : {10, 20, 30, 40}) {
-    TrainState st;
-    st.step = s;
-    ck.save(st, a.model.parameters(), a.opt.state(), config_json(tiny()));
-  }
+  for (int64_t s : {10, 20, 30, 40}) save_step(ck, a, s);
   EXPECT_EQ(ck.steps(), (std::vector<int64_t>{30, 40}));
   EXPECT_FALSE(std::filesystem::exists(dir / "ckpt/step-10"));
 }
@@ -107,9 +110,7 @@ TEST(Checkpoint, InterruptedWriteIsIgnored) {
   test::TempDir dir;
   Checkpointer ck({dir / "ckpt", 0});
   Job a(1), b(2);
-  TrainState st;
-  st.step = 5;
-  ck.save(st, a.model.parameters(), a.opt.state(), config_json(tiny()));
+  save_step(ck, a, 5);
   std::filesystem::create_directories(dir / "ckpt/step-10.tmp-1234");
   test::write_bytes(dir / "ckpt/step-10.tmp-1234/model.safetensors", "partial");
   std::filesystem::create_directories(dir / "ckpt/step-15");
@@ -123,9 +124,7 @@ TEST(Checkpoint, CorruptTensorFailsItsChecksum) {
   test::TempDir dir;
   Checkpointer ck({dir / "ckpt", 0});
   Job a(1), b(2);
-  TrainState st;
-  st.step = 3;
-  ck.save(st, a.model.parameters(), a.opt.state(), config_json(tiny()));
+  save_step(ck, a, 3);
   flip_byte(dir / "ckpt/step-3/model.safetensors", 3);
   std::string m = load_error(ck, 3, b, config_json(tiny()));
   EXPECT_NE(m.find("CRC32"), std::string::npos) << m;
@@ -140,9 +139,7 @@ TEST(Checkpoint, TruncatedFile) {
   test::TempDir dir;
   Checkpointer ck({dir / "ckpt", 0});
   Job a(1), b(2);
-  TrainState st;
-  st.step = 3;
-  ck.save(st, a.model.parameters(), a.opt.state(), config_json(tiny()));
+  save_step(ck, a, 3);
   std::filesystem::resize_file(dir / "ckpt/step-3/optimizer.safetensors", 100);
   std::string m = load_error(ck, 3, b, config_json(tiny()));
   EXPECT_NE(m.find("corrupt or truncated"), std::string::npos) << m;
@@ -155,9 +152,7 @@ TEST(Checkpoint, OtherModelConfigIsRejected) {
   test::TempDir dir;
   Checkpointer ck({dir / "ckpt", 0});
   Job a(1);
-  TrainState st;
-  st.step = 3;
-  ck.save(st, a.model.parameters(), a.opt.state(), config_json(tiny()));
+  save_step(ck, a, 3);
   ModelConfig wide = tiny();
   wide.dim = 32;
   Job b(2, wide);
