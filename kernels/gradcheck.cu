@@ -41,19 +41,20 @@ struct PlanView {  // what the kernel reads; passed by value
 
 template <int D>
 struct Elem;
+// unpack: one raw element (bits) -> fp32 value and whether it is finite.
 template <>
 struct Elem<0> {  // fp32
   using Raw = float;
-  __device__ static bool load(const float* p, int64_t i, float& x) {
-    x = p[i];
-    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+  __device__ static bool unpack(uint32_t b, float& x) {
+    x = __uint_as_float(b);
+    return (b & 0x7f800000u) != 0x7f800000u;
   }
 };
 template <>
 struct Elem<1> {  // bf16: the top half of an fp32
   using Raw = unsigned short;
-  __device__ static bool load(const unsigned short* p, int64_t i, float& x) {
-    uint32_t b = static_cast<uint32_t>(p[i]) << 16;
+  __device__ static bool unpack(unsigned short h, float& x) {
+    const uint32_t b = static_cast<uint32_t>(h) << 16;
     x = __uint_as_float(b);
     return (b & 0x7f800000u) != 0x7f800000u;
   }
@@ -61,12 +62,19 @@ struct Elem<1> {  // bf16: the top half of an fp32
 template <>
 struct Elem<2> {  // fp16
   using Raw = unsigned short;
-  __device__ static bool load(const unsigned short* p, int64_t i, float& x) {
-    unsigned short h = p[i];
+  __device__ static bool unpack(unsigned short h, float& x) {
     x = __half2float(__ushort_as_half(h));
     return (h & 0x7c00u) != 0x7c00u;
   }
 };
+
+template <int D>
+__device__ __forceinline__ bool load_one(const typename Elem<D>::Raw* p, int64_t i, float& x) {
+  if constexpr (D == 0)
+    return Elem<0>::unpack(__float_as_uint(p[i]), x);
+  else
+    return Elem<D>::unpack(p[i], x);
+}
 
 // Calls f(value, finite) for every element this thread owns in the chunk: scalar head up to
 // 16-byte alignment, 16-byte vectors, scalar tail.
@@ -81,24 +89,32 @@ __device__ __forceinline__ void walk(const Chunk& c, F&& f) {
   if (head > n) head = n;
   for (int64_t i = threadIdx.x; i < head; i += kThreads) {
     float x;
-    bool ok = Elem<D>::load(p, i, x);
+    bool ok = load_one<D>(p, i, x);
     f(x, ok);
   }
   const int64_t nvec = (n - head) / kPer;
   const uint4* v = reinterpret_cast<const uint4*>(p + head);
   for (int64_t j = threadIdx.x; j < nvec; j += kThreads) {
-    uint4 w = __ldg(v + j);
-    const Raw* r = reinterpret_cast<const Raw*>(&w);
+    const uint4 w = __ldg(v + j);
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};  // registers after unrolling
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      float x;
-      bool ok = Elem<D>::load(r, k, x);
-      f(x, ok);
+    for (int k = 0; k < 4; ++k) {
+      if constexpr (sizeof(Raw) == 4) {
+        float x;
+        bool ok = Elem<D>::unpack(words[k], x);
+        f(x, ok);
+      } else {  // two 16-bit elements per word, low half first (little-endian)
+        float x0, x1;
+        bool ok0 = Elem<D>::unpack(static_cast<unsigned short>(words[k] & 0xffffu), x0);
+        bool ok1 = Elem<D>::unpack(static_cast<unsigned short>(words[k] >> 16), x1);
+        f(x0, ok0);
+        f(x1, ok1);
+      }
     }
   }
   for (int64_t i = head + nvec * kPer + threadIdx.x; i < n; i += kThreads) {
     float x;
-    bool ok = Elem<D>::load(p, i, x);
+    bool ok = load_one<D>(p, i, x);
     f(x, ok);
   }
 }
