@@ -71,7 +71,6 @@ void GradCheck::build_table() {
   int64_t total = 0;
   for (const auto& g : grads_) total += g.tensor.numel();
   const int64_t end = length_ < 0 ? total : std::min(total, offset_ + length_);
-  shard_elements_ = std::max<int64_t>(0, end - offset_);
 
   int64_t base = 0;  // first element of tensor i in the concatenation
   for (size_t i = 0; i < grads_.size(); ++i) {

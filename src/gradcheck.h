@@ -45,7 +45,6 @@ class GradCheck {
 
   int num_tensors() const { return static_cast<int>(grads_.size()); }
   const std::vector<NamedTensor>& tensors() const { return grads_; }
-  int64_t shard_elements() const { return shard_elements_; }
 
   static GradCheckStats read(const at::Tensor& stats);
 
@@ -54,7 +53,6 @@ class GradCheck {
 
   std::vector<NamedTensor> grads_;
   int64_t offset_, length_;
-  int64_t shard_elements_ = 0;
   std::vector<kernels::Segment> segments_;
   std::vector<kernels::Segment> blocks_;  // segments cut into the units of CPU parallelism
   at::Tensor out_, sum_out_;
