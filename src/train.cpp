@@ -20,6 +20,7 @@
 #include "lockstep/data.h"
 #include "lockstep/error.h"
 #include "lockstep/log.h"
+#include "lockstep/ranks.h"
 #include "lockstep/schedule.h"
 #include "metrics.h"
 #include "model.h"
@@ -99,6 +100,12 @@ std::string worst_tensors(const GradCheck& check, const GradCheckStats& s) {
 
 TrainResult train(const Config& cfg) {
   const TrainingConfig& tc = cfg.training;
+  const RankInfo ranks = discover_ranks();
+  if (ranks.world_size > 1)  // N independent copies would race on one run directory
+    throw ConfigError(fmt::format(
+        "{} started {} ranks, but this lockstep trains on one rank only (the multi-rank engine "
+        "is not built yet); launch a single process",
+        ranks.launcher, ranks.world_size));
   const std::string run_dir = cfg.job.dump_folder;
   fs::make_dirs(run_dir + "/logs");
   log::init(/*rank=*/0, run_dir + "/logs/rank0.log");

@@ -19,8 +19,9 @@ struct CliRun {
   std::string out;  // stdout and stderr together
 };
 
-CliRun run(const std::string& args) {
-  std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " 2>&1";
+// Runs `lockstep ARGS`, with `env` ("NAME=value ...") added to its environment.
+CliRun run(const std::string& args, const std::string& env = "") {
+  std::string cmd = (env.empty() ? "" : "env " + env + " ") + LOCKSTEP_BIN + " " + args + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   std::string out;
   char buf[4096];
@@ -74,6 +75,15 @@ TEST(Cli, ConfigCheckAndShow) {
   EXPECT_EQ(run("train --config " + dir / "missing.toml").code, 2);
   EXPECT_EQ(run("frobnicate").code, 2);
   EXPECT_EQ(run("train stray").code, 2);
+}
+
+TEST(Cli, SeveralRanksAreRefusedUntilTheEngineExists) {
+  CliRun r = run("train --training.steps 1", "RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("torchrun started 2 ranks"), std::string::npos) << r.out;
+  CliRun bad = run("train", "RANK=0");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.out.find("WORLD_SIZE is not set"), std::string::npos) << bad.out;
 }
 
 TEST(Cli, BadDataFileExits3) {
