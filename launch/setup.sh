@@ -19,7 +19,7 @@ die() { printf 'lockstep setup: error: %s\n' "$*" >&2; exit 1; }
 
 # --- Debian packages -------------------------------------------------------
 APT_PACKAGES=(cmake ninja-build g++ ccache lld pkg-config libcli11-dev libspdlog-dev libfmt-dev
-  libtomlplusplus-dev nlohmann-json3-dev libgtest-dev libgmock-dev openmpi-bin libopenmpi-dev
+  libtomlplusplus-dev nlohmann-json3-dev libgtest-dev libgmock-dev openmpi-bin libopenmpi-dev libgloo-dev
   python3-venv)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -1,0 +1,43 @@
+// Collectives behind one small interface, one implementation per backend (c10d's Backend.hpp
+// style). The implementations own the only includes of their libraries: comm_gloo.cpp holds
+// LibTorch c10d's ProcessGroupGloo and stores.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+
+#include "lockstep/ranks.h"
+
+namespace lockstep {
+
+struct CommOptions {
+  std::string backend = "gloo";
+  double init_timeout_seconds = 300;   // rendezvous ([comm] init_timeout_seconds)
+  double train_timeout_seconds = 100;  // each collective ([comm] train_timeout_seconds)
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;
+  // Blocking collectives. A collective that does not finish within train_timeout_seconds
+  // throws an Error that names it (a lost rank never hangs the others).
+  virtual void all_reduce_sum(at::Tensor& t) = 0;                     // in place
+  virtual void broadcast(at::Tensor& t, int root) = 0;                 // in place
+  virtual void all_gather(const at::Tensor& in, at::Tensor& out) = 0;  // out: size() x in
+  virtual void barrier() = 0;
+};
+
+// Rendezvous through a c10d TCPStore at ranks.master_addr:master_port (rank 0 serves it, or
+// the torchrun agent does), under ranks.store_prefix().
+std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& options);
+
+// The same over a c10d FileStore at `path` (tests: N ranks as N threads in one process).
+std::unique_ptr<Comm> make_comm_file_store(const std::string& path, int rank, int size,
+                                           const CommOptions& options);
+
+}  // namespace lockstep

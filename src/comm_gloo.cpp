@@ -1,0 +1,128 @@
+// Gloo collectives through LibTorch c10d. The only file that includes Gloo or the c10d stores.
+// The torch wheel ships no gloo headers; Debian's libgloo-dev provides them (launch/setup.sh).
+#include <fmt/core.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+
+#include "comm.h"
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+using std::chrono::milliseconds;
+
+milliseconds to_ms(double seconds) { return milliseconds(static_cast<int64_t>(seconds * 1e3)); }
+
+class GlooComm final : public Comm {
+ public:
+  GlooComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const RankInfo& ranks,
+           const CommOptions& o)
+      : rank_(rank), size_(size), timeout_(to_ms(o.train_timeout_seconds)) {
+    auto opts = c10d::ProcessGroupGloo::Options::create();
+    opts->timeout = to_ms(o.init_timeout_seconds);
+    // Loopback for one node; otherwise the interface that GLOO_SOCKET_IFNAME names, or the
+    // one this host's name resolves to.
+    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+    else if (ranks.local_world_size == ranks.world_size)
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+    else
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    try {
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+    } catch (const std::exception& e) {
+      throw Error(ExitCode::kFailure,
+                  fmt::format("gloo rendezvous failed for rank {} of {}: {}", rank, size,
+                              first_line(e.what())));
+    }
+    pg_->setTimeout(timeout_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "gloo"; }
+
+  void all_reduce_sum(at::Tensor& t) override {
+    std::vector<at::Tensor> v = {t};
+    wait(pg_->allreduce(v), "all_reduce");
+  }
+  void broadcast(at::Tensor& t, int root) override {
+    std::vector<at::Tensor> v = {t};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    wait(pg_->broadcast(v, o), "broadcast");
+  }
+  void all_gather(const at::Tensor& in, at::Tensor& out) override {
+    std::vector<at::Tensor> outs;
+    for (int r = 0; r < size_; ++r) outs.push_back(out.select(0, r));
+    std::vector<std::vector<at::Tensor>> o = {outs};
+    std::vector<at::Tensor> i = {in};
+    wait(pg_->allgather(o, i), "all_gather");
+  }
+  void barrier() override { wait(pg_->barrier(), "barrier"); }
+
+ private:
+  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw Error(ExitCode::kFailure,
+                  fmt::format("gloo {} failed or timed out after {} s on rank {} of {} (a rank "
+                              "died or stalled?): {}",
+                              op, timeout_.count() / 1000.0, rank_, size_, first_line(e.what())));
+    }
+  }
+
+  int rank_, size_;
+  milliseconds timeout_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+void check_backend(const CommOptions& o) {
+  if (o.backend != "gloo")
+    throw ConfigError(fmt::format("backend '{}' is not built in; this build has gloo",
+                                  o.backend));
+}
+
+}  // namespace
+
+std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& o) {
+  check_backend(o);
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(ranks.master_port);
+  so.isServer = ranks.rank == 0 && !ranks.use_agent_store;
+  so.numWorkers = ranks.use_agent_store ? std::nullopt : std::optional<size_t>(ranks.world_size);
+  so.waitWorkers = false;
+  so.timeout = to_ms(o.init_timeout_seconds);
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(ranks.master_addr, so);
+  } catch (const std::exception& e) {
+    throw Error(ExitCode::kFailure,
+                fmt::format("cannot reach the rendezvous store at {}:{} from rank {}: {}",
+                            ranks.master_addr, ranks.master_port, ranks.rank,
+                            std::string(e.what()).substr(0, std::string(e.what()).find('\n'))));
+  }
+  if (!ranks.store_prefix().empty())
+    store = c10::make_intrusive<c10d::PrefixStore>(ranks.store_prefix(), store);
+  return std::make_unique<GlooComm>(store, ranks.rank, ranks.world_size, ranks, o);
+}
+
+std::unique_ptr<Comm> make_comm_file_store(const std::string& path, int rank, int size,
+                                           const CommOptions& o) {
+  check_backend(o);
+  auto store = c10::make_intrusive<c10d::FileStore>(path, size);
+  RankInfo one_node;
+  one_node.rank = rank;
+  one_node.world_size = one_node.local_world_size = size;
+  return std::make_unique<GlooComm>(store, rank, size, one_node, o);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,126 @@
+// Gloo collectives through c10d: N ranks as N threads over a FileStore, exact expected values.
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <unistd.h>
+
+#include <thread>
+
+#include "comm.h"
+#include "lockstep/error.h"
+#include "test_util.h"
+
+using namespace lockstep;
+
+namespace {
+
+// Runs fn(comm) on `size` ranks, one thread each; failures are collected per rank.
+void on_ranks(int size, const std::function<void(Comm&)>& fn, CommOptions o = {}) {
+  test::TempDir dir;
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(size);
+  for (int r = 0; r < size; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto comm = make_comm_file_store(dir / "store", r, size, o);
+        fn(*comm);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+}  // namespace
+
+TEST(CommGloo, CollectivesGiveExactValues) {
+  for (int size : {1, 2, 3}) {
+    on_ranks(size, [size](Comm& c) {
+      EXPECT_EQ(c.size(), size);
+      EXPECT_EQ(c.backend(), "gloo");
+      at::Tensor t = at::full({5}, static_cast<double>(c.rank() + 1), at::kDouble);
+      c.all_reduce_sum(t);
+      for (int i = 0; i < 5; ++i) EXPECT_EQ(t[i].item<double>(), size * (size + 1) / 2.0);
+
+      at::Tensor b = at::full({3}, static_cast<float>(c.rank() * 10), at::kFloat);
+      c.broadcast(b, size - 1);
+      EXPECT_EQ(b[2].item<float>(), (size - 1) * 10.0f);
+
+      at::Tensor in = at::arange(4, at::kLong).add(100 * c.rank());
+      at::Tensor out = at::empty({size, 4}, at::kLong);
+      c.all_gather(in, out);
+      for (int r = 0; r < size; ++r) EXPECT_EQ(out[r][3].item<int64_t>(), 100 * r + 3);
+      c.barrier();
+    });
+  }
+}
+
+TEST(CommGloo, AMissingRankTimesOutInsteadOfHanging) {
+  test::TempDir dir;
+  CommOptions o;
+  o.init_timeout_seconds = 20;
+  o.train_timeout_seconds = 2;
+  std::string error;
+  std::atomic<bool> done{false};
+  std::thread peer([&] {  // joins, then never takes part in the collective
+    auto comm = make_comm_file_store(dir / "store", 1, 2, o);
+    while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  });
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    auto comm = make_comm_file_store(dir / "store", 0, 2, o);
+    at::Tensor t = at::full({4}, 1.0, at::kFloat);
+    comm->all_reduce_sum(t);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  done = true;
+  peer.join();
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(error.find("gloo all_reduce failed or timed out"), std::string::npos) << error;
+  EXPECT_LT(secs, 15.0);
+}
+
+TEST(CommGloo, OtherBackendsAreNamed) {
+  CommOptions o;
+  o.backend = "nccl";
+  EXPECT_THROW(make_comm_file_store("/tmp/unused", 0, 1, o), ConfigError);
+}
+
+TEST(CommGloo, RendezvousThroughATcpStoreWithTorchrunPrefix) {
+  // Two ranks as threads, rank 0 serving the TCPStore, keys under /worker/attempt_1.
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  std::vector<std::string> errors(2);
+  std::vector<double> sums(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        RankInfo ranks;
+        ranks.rank = r;
+        ranks.world_size = ranks.local_world_size = 2;
+        ranks.local_rank = r;
+        ranks.master_port = port;
+        ranks.launcher = "torchrun";
+        ranks.restart_count = 1;
+        CommOptions o;
+        o.init_timeout_seconds = 30;
+        auto comm = make_comm(ranks, o);
+        at::Tensor t = at::full({2}, static_cast<double>(r + 1), at::kDouble);
+        comm->all_reduce_sum(t);
+        sums[r] = t[1].item<double>();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(sums[r], 3.0) << "rank " << r;
+  }
+}
