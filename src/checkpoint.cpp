@@ -210,6 +210,15 @@ std::optional<int64_t> parse_step_dir(const std::string& name) {
 
 }  // namespace
 
+std::string tensors_crc32(const std::vector<NamedTensor>& tensors) {
+  uint32_t crc = 0;
+  for (const auto& t : tensors) {
+    at::Tensor c = t.tensor.detach().to(at::kCPU).contiguous();
+    crc = crc32_fast(c.const_data_ptr(), c.nbytes(), crc);
+  }
+  return fmt::format("{:08x}", crc);
+}
+
 Checkpointer::Checkpointer(CheckpointOptions options) : opt_(std::move(options)) {}
 
 std::string Checkpointer::dir_of(int64_t step) const {
@@ -248,7 +257,7 @@ std::string Checkpointer::save(const TrainState& state, const std::vector<NamedT
                  {"optimizer_steps", state.optimizer_steps},
                  {"data_position", state.data_position},
                  {"tokens_seen", state.tokens_seen},
-                 {"world_size", 1},
+                 {"world_size", state.world_size},
                  {"rng", {{"cpu", cpu_rng_state()}}},
                  {"config", config},
                  {"checksums",

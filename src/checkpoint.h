@@ -21,12 +21,16 @@ struct TrainState {
   int64_t optimizer_steps = 0;  // steps that updated the weights
   int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
   int64_t tokens_seen = 0;
+  int64_t world_size = 1;       // ranks that trained up to here (ddp resumes at any size)
 };
 
 struct CheckpointOptions {
   std::string folder;         // absolute or relative to the working directory
   int64_t keep_latest_k = 0;  // 0 = keep all
 };
+
+// CRC32 over the bytes of all the tensors, in order ("%08x"): a cheap cross-rank fingerprint.
+std::string tensors_crc32(const std::vector<NamedTensor>& tensors);
 
 class Checkpointer {
  public:

@@ -193,6 +193,19 @@ const std::vector<Field>& fields() {
                              "auto = uint16 for .bin, else bytes"));
     t.push_back(int_field("data", "synthetic_tokens", &C::data, &DataConfig::synthetic_tokens,
                           1024, 1LL << 31, "length of the generated corpus"));
+    // [parallelism]
+    t.push_back(string_field("parallelism", "backend", &C::parallelism,
+                             &ParallelismConfig::backend, {"auto", "gloo"},
+                             "collectives between ranks: auto = gloo on CPUs"));
+    t.push_back(string_field("parallelism", "mode", &C::parallelism, &ParallelismConfig::mode,
+                             {"ddp"}, "ddp: replicated parameters, gradients averaged by all-reduce"));
+    // [comm]
+    t.push_back(float_field("comm", "init_timeout_seconds", &C::comm,
+                            &CommConfig::init_timeout_seconds, 0, true, 86400,
+                            "time allowed for all ranks to meet at start"));
+    t.push_back(float_field("comm", "train_timeout_seconds", &C::comm,
+                            &CommConfig::train_timeout_seconds, 0, true, 86400,
+                            "time allowed for each collective; past it the job fails, no hang"));
     return t;
   }();
   return table;

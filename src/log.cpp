@@ -32,9 +32,10 @@ spdlog::level::level_enum to_spd(Level l) {
 
 }  // namespace
 
-void init(int rank, const std::string& file, Level level) {
+void init(int rank, const std::string& file, Level level, Level console_level) {
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stdout_color_sink_mt>());
+  sinks.back()->set_level(to_spd(console_level));
   if (!file.empty())
     sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(file, /*truncate=*/false));
   auto lg = std::make_shared<spdlog::logger>("lockstep", sinks.begin(), sinks.end());

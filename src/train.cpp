@@ -6,6 +6,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <fmt/format.h>
 
@@ -24,6 +25,8 @@
 #include "lockstep/schedule.h"
 #include "metrics.h"
 #include "model.h"
+#include "comm.h"
+#include "ddp.h"
 #include "gradcheck.h"
 #include "optim.h"
 
@@ -63,26 +66,8 @@ at::Tensor batch_tensor(const Sampler& sampler, const std::vector<int64_t>& ids,
   return t.to(device);
 }
 
-// Every parameter's gradient (created as zeros where backward left none), in parameter order.
-std::vector<NamedTensor> gradients_of(const std::vector<NamedTensor>& params) {
-  std::vector<NamedTensor> grads;
-  for (const auto& p : params) {
-    if (!p.tensor.grad().defined()) p.tensor.mutable_grad() = at::zeros_like(p.tensor);
-    grads.push_back({p.name, p.tensor.grad()});
-  }
-  return grads;
-}
-
-bool same_storage(const GradCheck& check, const std::vector<NamedTensor>& params) {
-  for (size_t i = 0; i < params.size(); ++i)
-    if (!params[i].tensor.grad().defined() ||
-        params[i].tensor.grad().const_data_ptr() != check.tensors()[i].tensor.const_data_ptr())
-      return false;
-  return true;
-}
-
-// ", first in: a (3), b (1)": the tensors holding nonfinite values, most first.
-std::string worst_tensors(const GradCheck& check, const GradCheckStats& s) {
+// ", in a (3), b (1)": the tensors holding nonfinite values, most first.
+std::string worst_tensors(const std::vector<NamedTensor>& grads, const GradCheckStats& s) {
   std::vector<size_t> idx;
   for (size_t i = 0; i < s.tensor_nonfinite.size(); ++i)
     if (s.tensor_nonfinite[i] > 0) idx.push_back(i);
@@ -91,9 +76,35 @@ std::string worst_tensors(const GradCheck& check, const GradCheckStats& s) {
   });
   std::string out;
   for (size_t k = 0; k < idx.size() && k < 3; ++k)
-    out += fmt::format("{}{} ({})", k ? ", " : ", in ", check.tensors()[idx[k]].name,
+    out += fmt::format("{}{} ({})", k ? ", " : ", in ", grads[idx[k]].name,
                        s.tensor_nonfinite[idx[k]]);
   return out;
+}
+
+// The stats every rank contributes to a step's decision: its gradient-check buffer (of the
+// shard it owns) and its loss, gathered from all ranks and reduced in rank order, so that every
+// rank computes the same numbers from the same inputs in the same order.
+struct StepStats {
+  GradCheckStats grads;  // over the whole synced gradient
+  double loss = 0;       // mean over ranks
+};
+
+StepStats agree(const at::Tensor& check_buffer, double loss, Comm* comm) {
+  at::Tensor mine = at::empty({check_buffer.numel() + 1}, at::kDouble);
+  mine.narrow(0, 0, check_buffer.numel()).copy_(check_buffer);
+  mine.data_ptr<double>()[check_buffer.numel()] = loss;
+  const int w = comm ? comm->size() : 1;
+  at::Tensor all = mine.unsqueeze(0);
+  if (comm && w > 1) {
+    all = at::empty({w, mine.numel()}, at::kDouble);
+    comm->all_gather(mine, all);
+  }
+  at::Tensor sum = at::zeros_like(mine);
+  for (int r = 0; r < w; ++r) sum.add_(all.select(0, r));  // rank order
+  StepStats s;
+  s.grads = GradCheck::read(sum.narrow(0, 0, check_buffer.numel()));
+  s.loss = sum.data_ptr<double>()[check_buffer.numel()] / w;
+  return s;
 }
 
 }  // namespace
@@ -101,15 +112,20 @@ std::string worst_tensors(const GradCheck& check, const GradCheckStats& s) {
 TrainResult train(const Config& cfg) {
   const TrainingConfig& tc = cfg.training;
   const RankInfo ranks = discover_ranks();
-  if (ranks.world_size > 1)  // N independent copies would race on one run directory
-    throw ConfigError(fmt::format(
-        "{} started {} ranks, but this lockstep trains on one rank only (the multi-rank engine "
-        "is not built yet); launch a single process",
-        ranks.launcher, ranks.world_size));
+  const bool lead = ranks.rank == 0;  // writes config, metrics, checkpoints; prints progress
   const std::string run_dir = cfg.job.dump_folder;
   fs::make_dirs(run_dir + "/logs");
-  log::init(/*rank=*/0, run_dir + "/logs/rank0.log");
-  fs::write_file_atomic(run_dir + "/config.toml", to_toml(cfg));
+  log::init(ranks.rank, fmt::format("{}/logs/rank{}.log", run_dir, ranks.rank), log::Level::kInfo,
+            lead ? log::Level::kInfo : log::Level::kWarn);
+  std::unique_ptr<Comm> comm;
+  if (ranks.world_size > 1) {
+    comm = make_comm(ranks, {"gloo", cfg.comm.init_timeout_seconds,
+                             cfg.comm.train_timeout_seconds});
+    log::info("rank {} of {} ({}), {} collectives, rendezvous {}:{}", ranks.rank,
+              ranks.world_size, ranks.launcher, comm->backend(), ranks.master_addr,
+              ranks.master_port);
+  }
+  if (lead) fs::write_file_atomic(run_dir + "/config.toml", to_toml(cfg));
 
   const int threads = tc.threads > 0 ? static_cast<int>(tc.threads)
                                      : static_cast<int>(std::thread::hardware_concurrency());
@@ -124,11 +140,14 @@ TrainResult train(const Config& cfg) {
 
   // Data
   auto source = open_source(cfg.data, cfg.model.vocab_size);
-  Sampler sampler(*source, {tc.seq_len, tc.local_batch_size, /*rank=*/0, /*world_size=*/1,
+  Sampler sampler(*source, {tc.seq_len, tc.local_batch_size, ranks.rank, ranks.world_size,
                             static_cast<uint64_t>(tc.seed)});
 
   // Model and optimizer
   Gpt model(cfg.model, static_cast<uint64_t>(tc.seed), device);
+  // Gradients live in one flat buffer (one all-reduce); this rank checks its 1/W slice.
+  DdpGradients grads(model.parameters(), comm.get());
+  GradCheck check(grads.grads(), grads.shard_offset(), grads.shard_length());
   AdamW optimizer(model.parameters(),
                   {cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
                    cfg.optimizer.weight_decay, cfg.optimizer.implementation == "fused"});
@@ -159,23 +178,35 @@ TrainResult train(const Config& cfg) {
 
   log::info("lockstep: {} parameters, device {}, {} threads, data: {}", model.num_parameters(),
             device.str(), at::get_num_threads(), source->describe());
-  log::info("optimizer AdamW ({}), {} steps, global batch {} x {} tokens, run dir {}",
-            optimizer.fused() ? "fused" : "for-loop", tc.steps,
-            tc.local_batch_size * tc.gradient_accumulation_steps, tc.seq_len, run_dir);
+  // Every rank starts from rank 0's weights (identical by construction: same seed, same
+  // checkpoint; the broadcast makes it so whatever happened).
+  if (comm)
+    for (const auto& t : model.parameters()) {
+      at::Tensor d = t.tensor.detach();
+      comm->broadcast(d, 0);
+    }
+  log::info("optimizer AdamW ({}), {} steps, global batch {} x {} x {} ranks x {} tokens, run "
+            "dir {}",
+            optimizer.fused() ? "fused" : "for-loop", tc.steps, tc.local_batch_size,
+            tc.gradient_accumulation_steps, ranks.world_size, tc.seq_len, run_dir);
 
-  MetricsWriter metrics(run_dir + "/metrics.jsonl");
+  MetricsWriter metrics(lead ? run_dir + "/metrics.jsonl" : "");
   TrainResult result;
   result.start_step = state.step;
-  const int64_t tokens_per_step = tc.local_batch_size * tc.seq_len * tc.gradient_accumulation_steps;
+  const int64_t tokens_per_step =
+      tc.local_batch_size * tc.seq_len * tc.gradient_accumulation_steps * ranks.world_size;
   const auto run_start = Clock::now();
   auto interval_start = run_start;
   int64_t interval_steps = 0;
 
-  std::unique_ptr<GradCheck> check;  // built after the first backward, when every grad exists
+  state.world_size = ranks.world_size;
   auto save = [&] {
     if (!cfg.checkpoint.enable) return;
-    auto dir = ckpt.save(state, model.parameters(), optimizer.state(), config_json);
-    log::info("checkpoint saved: {}", dir);
+    if (lead) {  // ddp: every rank holds the same state, rank 0 writes it
+      auto dir = ckpt.save(state, model.parameters(), optimizer.state(), config_json);
+      log::info("checkpoint saved: {}", dir);
+    }
+    if (comm) comm->barrier();
   };
 
   while (state.step < tc.steps) {
@@ -193,16 +224,16 @@ TrainResult train(const Config& cfg) {
       loss.div(static_cast<double>(tc.gradient_accumulation_steps)).backward();
       loss_sum += loss.item<double>();
     }
-    const double loss = loss_sum / static_cast<double>(tc.gradient_accumulation_steps);
+    grads.average();  // one all-reduce of the flat gradient buffer
 
-    // One fused pass over the gradients: nonfinite counts and the global norm. Clipping
-    // reuses the norm through the optimizer's grad_scale: no second pass.
-    if (!check) {
-      check = std::make_unique<GradCheck>(gradients_of(model.parameters()));
-    } else if (!same_storage(*check, model.parameters())) {
-      check->rebind(gradients_of(model.parameters()));
-    }
-    const GradCheckStats health = GradCheck::read(check->run());
+    // One fused pass over this rank's slice of the gradients, then one small collective of
+    // the per-rank stats: every rank reaches the same numbers. Clipping reuses the norm
+    // through the optimizer's grad_scale: no second pass.
+    const StepStats agreed = agree(check.run(), loss_sum / static_cast<double>(
+                                                    tc.gradient_accumulation_steps),
+                                   comm.get());
+    const GradCheckStats& health = agreed.grads;
+    const double loss = agreed.loss;
     const double grad_norm = std::sqrt(health.sumsq);
     if (!std::isfinite(loss) || health.nonfinite > 0) {
       log::flush();
@@ -210,7 +241,7 @@ TrainResult train(const Config& cfg) {
           "step {}: nonfinite {} (loss {}, {} nonfinite gradient elements{}); the weights were not "
           "updated and the last checkpoint is intact; lower optimizer.lr or check the data",
           step, std::isfinite(loss) ? "gradient" : "loss", loss, health.nonfinite,
-          worst_tensors(*check, health)));
+          worst_tensors(grads.grads(), health)));
     }
     if (health.overflow_runs > 0)
       log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64", step,
@@ -261,8 +292,9 @@ TrainResult train(const Config& cfg) {
   result.optimizer_steps = state.optimizer_steps;
   result.tokens_per_second = ran > 0 ? static_cast<double>(ran * tokens_per_step) / total : 0.0;
   if (ran > 0)
-    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}", ran, total,
-              result.tokens_per_second, result.losses.back());
+    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}, parameters crc32 {}",
+              ran, total, result.tokens_per_second, result.losses.back(),
+              tensors_crc32(model.parameters()));
   else
     log::info("nothing to do: the run is already at step {} of {}", state.step, tc.steps);
   log::flush();

@@ -10,6 +10,10 @@
 #include <random>
 #include <thread>
 
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "test_util.h"
 
 namespace {
@@ -77,13 +81,58 @@ TEST(Cli, ConfigCheckAndShow) {
   EXPECT_EQ(run("train stray").code, 2);
 }
 
-TEST(Cli, SeveralRanksAreRefusedUntilTheEngineExists) {
-  CliRun r = run("train --training.steps 1", "RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1");
-  EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.out.find("torchrun started 2 ranks"), std::string::npos) << r.out;
+TEST(Cli, MissingLauncherVariableIsNamed) {
   CliRun bad = run("train", "RANK=0");
   EXPECT_EQ(bad.code, 2);
   EXPECT_NE(bad.out.find("WORLD_SIZE is not set"), std::string::npos) << bad.out;
+}
+
+// The metrics file's losses and the "parameters crc32" each rank logs at the end.
+struct RunOutcome {
+  std::vector<double> losses;
+  std::vector<std::string> crcs;  // per rank
+};
+
+RunOutcome outcome(const std::string& run_dir, int ranks) {
+  RunOutcome o;
+  std::ifstream metrics(run_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(metrics, line)) o.losses.push_back(nlohmann::json::parse(line)["loss"]);
+  for (int r = 0; r < ranks; ++r) {
+    std::ifstream log(run_dir + "/logs/rank" + std::to_string(r) + ".log");
+    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    auto at = text.rfind("parameters crc32 ");
+    o.crcs.push_back(at == std::string::npos ? "" : text.substr(at + 17, 8));
+  }
+  return o;
+}
+
+TEST(Cli, TwoRanksOverGlooMatchOneRankWithTheSameGlobalBatch) {
+  lockstep::test::TempDir dir;
+  const std::string common =
+      " --training.steps 8 --metrics.log_freq 1 --checkpoint.enable false --training.threads 1"
+      " --model.dim 32 --model.n_heads 2 --training.seq_len 32 --model.max_seq_len 32";
+  CliRun one = run("train --job.dump_folder " + dir / "one" + " --training.local_batch_size 8" +
+                   common);
+  ASSERT_EQ(one.code, 0) << one.out;
+
+  // Two processes with torchrun's environment contract.
+  const int port = 21000 + static_cast<int>(::getpid() % 20000);
+  const std::string env = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                          std::to_string(port);
+  const std::string args = " train --job.dump_folder " + dir / "two" +
+                           " --training.local_batch_size 4" + common + " >/dev/null 2>&1";
+  const std::string script = "env " + env + " RANK=0 LOCAL_RANK=0 " + LOCKSTEP_BIN + args +
+                             " & a=$!; env " + env + " RANK=1 LOCAL_RANK=1 " + LOCKSTEP_BIN +
+                             args + "; b=$?; wait $a; a=$?; exit $((a | b))";
+  ASSERT_EQ(std::system(("sh -c '" + script + "'").c_str()), 0);
+
+  RunOutcome a = outcome(dir / "one", 1), b = outcome(dir / "two", 2);
+  ASSERT_EQ(a.losses.size(), 8u);
+  ASSERT_EQ(b.losses.size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_NEAR(b.losses[i], a.losses[i], 1e-4) << "step " << i + 1;
+  ASSERT_EQ(b.crcs[0].size(), 8u);
+  EXPECT_EQ(b.crcs[0], b.crcs[1]) << "ddp parameters must be bitwise identical on all ranks";
 }
 
 TEST(Cli, BadDataFileExits3) {

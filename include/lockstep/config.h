@@ -74,6 +74,16 @@ struct DataConfig {
   int64_t synthetic_tokens = 1 << 20;
 };
 
+struct ParallelismConfig {
+  std::string backend = "auto";  // auto | gloo (auto: gloo on CPUs)
+  std::string mode = "ddp";      // ddp: replicated parameters, averaged gradients
+};
+
+struct CommConfig {
+  double init_timeout_seconds = 300;   // rendezvous
+  double train_timeout_seconds = 100;  // each collective; a lost rank fails the job, no hang
+};
+
 struct Config {
   JobConfig job;
   ModelConfig model;
@@ -83,6 +93,8 @@ struct Config {
   CheckpointConfig checkpoint;
   MetricsConfig metrics;
   DataConfig data;
+  ParallelismConfig parallelism;
+  CommConfig comm;
 };
 
 // One `--section.key value` pair from the command line.

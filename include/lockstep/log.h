@@ -13,8 +13,10 @@ namespace lockstep::log {
 enum class Level { kDebug, kInfo, kWarn, kError };
 
 // Console sink on stdout with `[rank R]` in the pattern, plus a per-rank file when
-// `file` is not empty. May be called again (e.g. once the run directory exists).
-void init(int rank, const std::string& file = "", Level level = Level::kInfo);
+// `file` is not empty. `console_level` lets ranks other than 0 print warnings only. May be
+// called again (e.g. once the run directory exists).
+void init(int rank, const std::string& file = "", Level level = Level::kInfo,
+          Level console_level = Level::kInfo);
 void write(Level level, std::string_view message);
 void flush();
 
