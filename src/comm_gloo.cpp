@@ -74,9 +74,9 @@ class GlooComm final : public Comm {
       work->wait(timeout_);
     } catch (const std::exception& e) {
       throw Error(ExitCode::kFailure,
-                  fmt::format("gloo {} failed or timed out after {} s on rank {} of {} (a rank "
-                              "died or stalled?): {}",
-                              op, timeout_.count() / 1000.0, rank_, size_, first_line(e.what())));
+                  fmt::format("gloo {} failed on rank {} of {} (timeout {} s; did a rank die or "
+                              "stall?): {}",
+                              op, rank_, size_, timeout_.count() / 1000.0, first_line(e.what())));
     }
   }
 

@@ -135,6 +135,47 @@ TEST(Cli, TwoRanksOverGlooMatchOneRankWithTheSameGlobalBatch) {
   EXPECT_EQ(b.crcs[0], b.crcs[1]) << "ddp parameters must be bitwise identical on all ranks";
 }
 
+TEST(Cli, AKilledRankMakesTheOtherExitInsteadOfHanging) {
+  lockstep::test::TempDir dir;
+  const int port = 22000 + static_cast<int>(::getpid() % 20000);
+  auto spawn = [&](int rank) {
+    // The command is built before fork: the child only execs.
+    const std::string cmd = "exec env RANK=" + std::to_string(rank) +
+                            " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(port) + " " + LOCKSTEP_BIN +
+                            " train --job.dump_folder " + dir / "run" +
+                            " --training.steps 100000 --training.threads 1"
+                            " --checkpoint.enable false --comm.train_timeout_seconds 20"
+                            " >/dev/null 2>&1";
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+      ::_exit(127);
+    }
+    return pid;
+  };
+  pid_t r0 = spawn(0), r1 = spawn(1);
+  // Let them train (the metrics file appears at the first logged step), then kill rank 1.
+  for (int i = 0; i < 6000 && !std::filesystem::exists(dir / "run/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ::kill(r1, SIGKILL);
+  ::waitpid(r1, nullptr, 0);
+  const auto start = std::chrono::steady_clock::now();
+  int status = 0;
+  while (::waitpid(r0, &status, WNOHANG) == 0 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(30))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (::waitpid(r0, &status, WNOHANG) == 0 && secs >= 30) {
+    ::kill(r0, SIGKILL);
+    ::waitpid(r0, &status, 0);
+    FAIL() << "rank 0 still running 30 s after rank 1 died";
+  }
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "status " << status;
+  EXPECT_LT(secs, 20 + 10) << "within train_timeout_seconds + 10 s";
+}
+
 TEST(Cli, BadDataFileExits3) {
   lockstep::test::TempDir dir;
   lockstep::test::write_bytes(dir / "empty.bin", "");
@@ -185,10 +226,10 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
   };
   for (int attempt = 0; attempt < 3; ++attempt) {
     const int64_t before = latest();
+    const std::string cmd = "exec " + std::string(LOCKSTEP_BIN) + " " + args + " >/dev/null 2>&1";
     pid_t pid = ::fork();
-    if (pid == 0) {
-      std::string cmd = std::string(LOCKSTEP_BIN) + " " + args + " >/dev/null 2>&1";
-      ::execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), nullptr);
+    if (pid == 0) {  // the child only execs
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
       ::_exit(127);
     }
     // Kill once this process has saved at least one checkpoint of its own (so the kill lands
