@@ -260,3 +260,90 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
   EXPECT_NE(finish.out.find("resumed from"), std::string::npos) << finish.out;
   EXPECT_NE(finish.out.find("step    120/120"), std::string::npos) << finish.out;
 }
+
+// ---- lockstep-run: torchrun's worker contract --------------------------------------------
+
+namespace {
+
+CliRun launcher(const std::string& args) {
+  std::string cmd = std::string(LOCKSTEP_RUN_BIN) + " " + args + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+}  // namespace
+
+TEST(LockstepRun, TrainsTwoRanksWithRankPrefixedOutput) {
+  lockstep::test::TempDir dir;
+  const int port = 23000 + static_cast<int>(::getpid() % 20000);
+  CliRun r = launcher("--nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
+                      LOCKSTEP_BIN + " train --job.dump_folder " + dir / "run" +
+                      " --training.steps 6 --training.threads 1 --checkpoint.enable false"
+                      " --model.dim 32 --model.n_heads 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("[rank 0] "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("step      6/6"), std::string::npos) << r.out;
+  RunOutcome o = outcome(dir / "run", 2);
+  EXPECT_EQ(o.crcs[0].size(), 8u);
+  EXPECT_EQ(o.crcs[0], o.crcs[1]);
+}
+
+TEST(LockstepRun, AFailedWorkerStopsTheOthersAndIsReported) {
+  const auto start = std::chrono::steady_clock::now();
+  CliRun r = launcher(
+      "--nproc-per-node 3 --grace-seconds 2 -- sh -c 'if [ \"$RANK\" = 1 ]; then sleep 0.2; "
+      "exit 3; fi; sleep 60'");
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("worker rank 1 (local rank 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("failed first: exit code 3"), std::string::npos) << r.out;
+  EXPECT_LT(secs, 10.0);
+}
+
+TEST(LockstepRun, RestartsAfterAFailure) {
+  CliRun r = launcher(
+      "--nproc-per-node 2 --max-restarts 1 -- sh -c 'if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] "
+      "&& [ \"$RANK\" = 1 ]; then exit 5; fi; echo \"hello $RANK attempt "
+      "$TORCHELASTIC_RESTART_COUNT of $WORLD_SIZE\"'");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("restarting all workers (restart 1 of 1)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[rank 1] hello 1 attempt 1 of 2"), std::string::npos) << r.out;
+  CliRun no = launcher("--nproc-per-node 1 -- sh -c 'exit 7'");
+  EXPECT_EQ(no.code, 7) << no.out;
+  EXPECT_EQ(launcher("--nproc-per-node 0 -- true").code, 2);
+  EXPECT_EQ(launcher("--nproc-per-node 2").code, 2);  // no command
+}
+
+TEST(LockstepRun, ForwardsSigtermAndLeavesNoWorkerBehind) {
+  lockstep::test::TempDir dir;
+  const std::string marker = dir / "pids";
+  const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) +
+                          " --nproc-per-node 2 --grace-seconds 2 -- sh -c 'echo $$ >> " + marker +
+                          "; sleep 60' >/dev/null 2>&1";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+    ::_exit(127);
+  }
+  for (int i = 0; i < 500; ++i) {  // both workers started
+    std::ifstream in(marker);
+    std::string a, b;
+    if (in >> a >> b) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+  std::ifstream in(marker);
+  int worker;
+  int alive = 0;
+  while (in >> worker) alive += ::kill(worker, 0) == 0 ? 1 : 0;
+  EXPECT_EQ(alive, 0);
+}
