@@ -137,7 +137,7 @@ const std::vector<Field>& fields() {
     t.push_back(string_field("training", "device", &C::training, &TrainingConfig::device,
                              {"auto", "cpu", "cuda"}, "auto = cuda when available, else cpu"));
     t.push_back(int_field("training", "threads", &C::training, &TrainingConfig::threads, 0, 4096,
-                          "intra-op CPU threads; 0 = one per core"));
+                          "intra-op CPU threads per rank; 0 = the cores shared among the ranks of a node"));
     // [optimizer]
     t.push_back(string_field("optimizer", "name", &C::optimizer, &OptimizerConfig::name,
                              {"AdamW"}, "optimizer"));

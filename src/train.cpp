@@ -127,8 +127,10 @@ TrainResult train(const Config& cfg) {
   }
   if (lead) fs::write_file_atomic(run_dir + "/config.toml", to_toml(cfg));
 
+  // 0 = this node's cores shared among its ranks.
   const int threads = tc.threads > 0 ? static_cast<int>(tc.threads)
-                                     : static_cast<int>(std::thread::hardware_concurrency());
+                                     : static_cast<int>(std::thread::hardware_concurrency()) /
+                                           ranks.local_world_size;
   at::set_num_threads(std::max(1, threads));
   const c10::Device device = resolve_device(tc.device);
   {
