@@ -23,16 +23,20 @@ struct CliRun {
   std::string out;  // stdout and stderr together
 };
 
-// Runs `lockstep ARGS`, with `env` ("NAME=value ...") added to its environment.
-CliRun run(const std::string& args, const std::string& env = "") {
-  std::string cmd = (env.empty() ? "" : "env " + env + " ") + LOCKSTEP_BIN + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
+// Runs a shell command; returns its exit code and stdout + stderr.
+CliRun capture(const std::string& cmd) {
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
   std::string out;
   char buf[4096];
   size_t n;
   while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
   int status = ::pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+// Runs `lockstep ARGS`, with `env` ("NAME=value ...") added to its environment.
+CliRun run(const std::string& args, const std::string& env = "") {
+  return capture((env.empty() ? "" : "env " + env + " ") + LOCKSTEP_BIN + " " + args);
 }
 
 int count_lines(const std::string& s) {
@@ -266,14 +270,7 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
 namespace {
 
 CliRun launcher(const std::string& args) {
-  std::string cmd = std::string(LOCKSTEP_RUN_BIN) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int status = ::pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+  return capture(std::string(LOCKSTEP_RUN_BIN) + " " + args);
 }
 
 }  // namespace
