@@ -124,6 +124,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   gradcheck->add_flag("--json", gopt.json, "One JSON object per measurement");
 
+  lockstep::CommBenchOptions copt;
+  auto* comm_bench = bench->add_subcommand(
+      "comm", "Collective size sweep with algbw/busbw, checked every run; launch it on N ranks");
+  comm_bench->add_option("--sizes", copt.sizes_bytes, "Message sizes in bytes")
+      ->capture_default_str();
+  comm_bench->add_option("--ops", copt.ops, "all_reduce, all_gather, broadcast")
+      ->check(CLI::IsMember({"all_reduce", "all_gather", "broadcast"}))
+      ->capture_default_str();
+  comm_bench->add_option("--iters", copt.iters, "Timed iterations per size (the best counts)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  comm_bench->add_flag("--json", copt.json, "One JSON object per measurement");
+
   auto* version = app.add_subcommand("version", "Print lockstep, LibTorch, CUDA, NCCL, MPI versions");
 
   try {
@@ -161,6 +174,9 @@ int main(int argc, char** argv) {
       if (!lockstep::bench_gradcheck(gopt))
         return fail(ExitCode::kFailure, "bench gradcheck: a fused result disagreed with the "
                                         "reference (see the check column)");
+    } else if (*comm_bench) {
+      if (!lockstep::bench_comm(copt))
+        return fail(ExitCode::kFailure, "bench comm: a collective returned a wrong result");
     } else if (*version) {
       std::cout << lockstep::version_report();
     }

@@ -6,6 +6,8 @@
 #include <ATen/ops/_foreach_norm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/eq.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/ones.h>
@@ -22,7 +24,9 @@
 #include <functional>
 #include <thread>
 
+#include "comm.h"
 #include "gradcheck.h"
+#include "lockstep/ranks.h"
 #include "kernels/gradcheck.h"
 #include "lockstep/error.h"
 
@@ -276,6 +280,78 @@ bool bench_gradcheck(const GradcheckBenchOptions& o) {
   if (cuda && !o.json)
     fmt::print("fused check: {} kernel launch and {} host syncs per call (by construction)\n",
                kernels::kCudaCheckLaunches, kernels::kCudaCheckHostSyncs);
+  return all_ok;
+}
+
+bool bench_comm(const CommBenchOptions& o) {
+  const RankInfo ranks = discover_ranks();
+  if (ranks.world_size < 2)
+    throw ConfigError("bench comm measures collectives between ranks; launch it on several, e.g. "
+                      "lockstep-run --nproc-per-node 2 -- lockstep bench comm");
+  std::unique_ptr<Comm> comm = make_comm(ranks, {});
+  const int w = ranks.world_size, r = ranks.rank;
+  const bool lead = r == 0;
+  if (lead && !o.json)
+    fmt::print("lockstep bench comm | {} ranks ({}) | backend {} | fp32 | {} iterations after {} "
+               "warm-up\n{:<11} {:>12} {:>11} {:>10} {:>10} | {}\n",
+               w, ranks.launcher, comm->backend(), o.iters, o.warmup,
+               "op", "bytes", "time_us", "algbw_GBs", "busbw_GBs", "check");
+  bool all_ok = true;
+  for (const auto& op : o.ops) {
+    // nccl-tests' bus bandwidth factors.
+    const double factor = op == "all_reduce"   ? 2.0 * (w - 1) / w
+                          : op == "all_gather" ? static_cast<double>(w - 1) / w
+                                               : 1.0;
+    for (int64_t bytes : o.sizes_bytes) {
+      const int64_t n = std::max<int64_t>(1, bytes / 4);
+      at::Tensor t = at::empty({n}, at::kFloat);
+      at::Tensor gathered = at::empty({w, n}, at::kFloat);
+      bool ok = true;
+      double best = 1e30;
+      for (int it = 0; it < o.warmup + o.iters; ++it) {
+        // Small integers: sums are exact in fp32, so the check is exact too.
+        t.fill_(static_cast<double>(r + 1 + it % 3));
+        const auto start = Clock::now();
+        if (op == "all_reduce")
+          comm->all_reduce_sum(t);
+        else if (op == "all_gather")
+          comm->all_gather(t, gathered);
+        else
+          comm->broadcast(t, 0);
+        const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+        if (it >= o.warmup) best = std::min(best, secs);
+        const double k = it % 3;
+        if (op == "all_reduce")
+          ok = ok && at::eq(t, w * (w + 1) / 2.0 + w * k).all().item<bool>();
+        else if (op == "broadcast")
+          ok = ok && at::eq(t, 1.0 + k).all().item<bool>();
+        else
+          for (int q = 0; q < w; ++q)
+            ok = ok && at::eq(gathered.select(0, q), q + 1 + k).all().item<bool>();
+      }
+      // Every rank's verdict counts: gather them (an all-reduce of the failures).
+      at::Tensor bad = at::full({1}, ok ? 0.0 : 1.0, at::kFloat);
+      comm->all_reduce_sum(bad);
+      const bool agreed_ok = bad.item<float>() == 0.0f;
+      all_ok = all_ok && agreed_ok;
+      const double algbw = static_cast<double>(n * 4) / best / 1e9;
+      if (lead) {
+        if (o.json)
+          fmt::print("{}\n", json{{"op", op},
+                                  {"bytes", n * 4},
+                                  {"ranks", w},
+                                  {"time_us", best * 1e6},
+                                  {"algbw_GBps", algbw},
+                                  {"busbw_GBps", algbw * factor},
+                                  {"ok", agreed_ok}}
+                                  .dump());
+        else
+          fmt::print("{:<11} {:>12} {:>11.1f} {:>10.3f} {:>10.3f} | {}\n", op, n * 4, best * 1e6,
+                     algbw, algbw * factor, agreed_ok ? "ok" : "WRONG");
+        std::fflush(stdout);
+      }
+    }
+  }
   return all_ok;
 }
 

@@ -23,3 +23,21 @@ struct GradcheckBenchOptions {
 bool bench_gradcheck(const GradcheckBenchOptions& options);
 
 }  // namespace lockstep
+
+namespace lockstep {
+
+struct CommBenchOptions {
+  std::vector<int64_t> sizes_bytes = {1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24};
+  std::vector<std::string> ops = {"all_reduce", "all_gather", "broadcast"};
+  int warmup = 2;
+  int iters = 10;
+  bool json = false;
+};
+
+// `lockstep bench comm`: run under a launcher (lockstep-run, torchrun, mpirun). Rank 0 prints a
+// size sweep per collective with time, algbw and busbw (nccl-tests' bus factors); every timed
+// iteration's result is checked against the exact expected values. Returns false on a wrong
+// result on any rank.
+bool bench_comm(const CommBenchOptions& options);
+
+}  // namespace lockstep

@@ -344,3 +344,16 @@ TEST(LockstepRun, ForwardsSigtermAndLeavesNoWorkerBehind) {
   while (in >> worker) alive += ::kill(worker, 0) == 0 ? 1 : 0;
   EXPECT_EQ(alive, 0);
 }
+
+TEST(LockstepRun, BenchCommChecksEveryCollective) {
+  const int port = 24000 + static_cast<int>(::getpid() % 20000);
+  CliRun r = launcher("--nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
+                      LOCKSTEP_BIN + " bench comm --sizes 4096 65536 --iters 3");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("2 ranks"), std::string::npos) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n') >= 8, true) << r.out;
+  EXPECT_EQ(r.out.find("WRONG"), std::string::npos) << r.out;
+  for (const char* op : {"all_reduce", "all_gather", "broadcast"})
+    EXPECT_NE(r.out.find(std::string("[rank 0] ") + op), std::string::npos) << op;
+  EXPECT_EQ(run("bench comm").code, 2);  // one rank: nothing to measure
+}
