@@ -65,6 +65,7 @@ void emit(const Worker& w, const std::string& line) {
 }
 
 void drain(Worker& w, bool final) {
+  if (w.out_fd < 0) return;
   char buf[65536];
   for (;;) {
     ssize_t n = ::read(w.out_fd, buf, sizeof buf);
@@ -76,9 +77,11 @@ void drain(Worker& w, bool final) {
       w.partial.erase(0, nl + 1);
     }
   }
-  if (final && !w.partial.empty()) {
-    emit(w, w.partial);
+  if (final) {
+    if (!w.partial.empty()) emit(w, w.partial);
     w.partial.clear();
+    ::close(w.out_fd);  // (a finished worker's pipe would otherwise wake poll() forever)
+    w.out_fd = -1;
   }
 }
 
@@ -181,7 +184,6 @@ void stop_all(std::vector<Worker>& ws, int sig, double grace_seconds) {
   for (auto& w : ws) {
     ::kill(-w.pid, SIGKILL);  // stragglers in the group (ESRCH when none: fine)
     drain(w, true);
-    ::close(w.out_fd);
   }
 }
 
@@ -223,10 +225,7 @@ int run_attempt(const Options& o, int attempt, bool& failed) {
         return code;
       }
     }
-    if (all_done) {
-      for (auto& w : ws) ::close(w.out_fd);
-      return 0;
-    }
+    if (all_done) return 0;
   }
 }
 
