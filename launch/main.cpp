@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
       ->required();
   info->add_flag("--json", ckpt_json, "Print JSON");
 
-  // bench gradcheck
+  // bench gradcheck | comm
   auto* bench = app.add_subcommand("bench", "Benchmarks (results printed with machine and sizes)");
   bench->require_subcommand(1);
   lockstep::GradcheckBenchOptions gopt;

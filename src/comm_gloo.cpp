@@ -18,6 +18,9 @@ using std::chrono::milliseconds;
 
 milliseconds to_ms(double seconds) { return milliseconds(static_cast<int64_t>(seconds * 1e3)); }
 
+// c10d errors carry a backtrace after the first line; the message is the first line.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 class GlooComm final : public Comm {
  public:
   GlooComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const RankInfo& ranks,
@@ -67,8 +70,6 @@ class GlooComm final : public Comm {
   void barrier() override { wait(pg_->barrier(), "barrier"); }
 
  private:
-  static std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
     try {
       work->wait(timeout_);
@@ -107,8 +108,7 @@ std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& o) {
   } catch (const std::exception& e) {
     throw Error(ExitCode::kFailure,
                 fmt::format("cannot reach the rendezvous store at {}:{} from rank {}: {}",
-                            ranks.master_addr, ranks.master_port, ranks.rank,
-                            std::string(e.what()).substr(0, std::string(e.what()).find('\n'))));
+                            ranks.master_addr, ranks.master_port, ranks.rank, first_line(e.what())));
   }
   if (!ranks.store_prefix().empty())
     store = c10::make_intrusive<c10d::PrefixStore>(ranks.store_prefix(), store);

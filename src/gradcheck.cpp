@@ -56,13 +56,6 @@ GradCheck::GradCheck(std::vector<NamedTensor> grads, int64_t offset, int64_t len
 
 GradCheck::~GradCheck() = default;
 
-void GradCheck::rebind(const std::vector<NamedTensor>& grads) {
-  if (grads.size() != grads_.size())
-    throw std::invalid_argument("gradient check: rebind with a different number of tensors");
-  grads_ = grads;
-  build_table();
-}
-
 void GradCheck::build_table() {
   segments_.clear();
   blocks_.clear();

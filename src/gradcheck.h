@@ -40,11 +40,7 @@ class GradCheck {
   // launch shape, no checks. Asynchronous on CUDA.
   void sum_baseline();
 
-  // Re-points the check at new gradient storage (same shapes, dtypes and order).
-  void rebind(const std::vector<NamedTensor>& grads);
-
   int num_tensors() const { return static_cast<int>(grads_.size()); }
-  const std::vector<NamedTensor>& tensors() const { return grads_; }
 
   static GradCheckStats read(const at::Tensor& stats);
 

@@ -39,6 +39,16 @@ CliRun run(const std::string& args, const std::string& env = "") {
   return capture((env.empty() ? "" : "env " + env + " ") + LOCKSTEP_BIN + " " + args);
 }
 
+// Starts `sh -c CMD` without waiting. The command is built by the caller: the child only execs.
+pid_t spawn_shell(const std::string& cmd) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+    ::_exit(127);
+  }
+  return pid;
+}
+
 int count_lines(const std::string& s) {
   return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
 }
@@ -143,20 +153,12 @@ TEST(Cli, AKilledRankMakesTheOtherExitInsteadOfHanging) {
   lockstep::test::TempDir dir;
   const int port = 22000 + static_cast<int>(::getpid() % 20000);
   auto spawn = [&](int rank) {
-    // The command is built before fork: the child only execs.
-    const std::string cmd = "exec env RANK=" + std::to_string(rank) +
-                            " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
-                            std::to_string(port) + " " + LOCKSTEP_BIN +
-                            " train --job.dump_folder " + dir / "run" +
-                            " --training.steps 100000 --training.threads 1"
-                            " --checkpoint.enable false --comm.train_timeout_seconds 20"
-                            " >/dev/null 2>&1";
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-      ::_exit(127);
-    }
-    return pid;
+    return spawn_shell("exec env RANK=" + std::to_string(rank) +
+                       " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+                       " " + LOCKSTEP_BIN + " train --job.dump_folder " + dir / "run" +
+                       " --training.steps 100000 --training.threads 1"
+                       " --checkpoint.enable false --comm.train_timeout_seconds 20"
+                       " >/dev/null 2>&1");
   };
   pid_t r0 = spawn(0), r1 = spawn(1);
   // Let them train (the metrics file appears at the first logged step), then kill rank 1.
@@ -230,12 +232,8 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
   };
   for (int attempt = 0; attempt < 3; ++attempt) {
     const int64_t before = latest();
-    const std::string cmd = "exec " + std::string(LOCKSTEP_BIN) + " " + args + " >/dev/null 2>&1";
-    pid_t pid = ::fork();
-    if (pid == 0) {  // the child only execs
-      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-      ::_exit(127);
-    }
+    pid_t pid =
+        spawn_shell("exec " + std::string(LOCKSTEP_BIN) + " " + args + " >/dev/null 2>&1");
     // Kill once this process has saved at least one checkpoint of its own (so the kill lands
     // in steady training and saving, not in start-up), at a random moment after that.
     int status = 0;
@@ -323,11 +321,7 @@ TEST(LockstepRun, ForwardsSigtermAndLeavesNoWorkerBehind) {
   const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) +
                           " --nproc-per-node 2 --grace-seconds 2 -- sh -c 'echo $$ >> " + marker +
                           "; sleep 60' >/dev/null 2>&1";
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-    ::_exit(127);
-  }
+  pid_t pid = spawn_shell(cmd);
   for (int i = 0; i < 500; ++i) {  // both workers started
     std::ifstream in(marker);
     std::string a, b;
