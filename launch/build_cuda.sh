@@ -30,17 +30,9 @@ if [[ -z "$torch_dir" ]]; then
   torch_dir=$("$venv/bin/python" -c 'import torch, os; print(os.path.dirname(torch.__file__))' 2>/dev/null)
 fi
 
-# LibTorch links nvrtc; a toolkit without it (a minimal nvcc install) can use the wheel's.
-extra=""
-if ! ls "$cuda_root"/lib*/libnvrtc.so* >/dev/null 2>&1; then
-  nvrtc=$(ls "$torch_dir"/../nvidia/*/lib/libnvrtc.so.* 2>/dev/null | grep -v -e builtins -e alt | head -1 || true)
-  [[ -n "$nvrtc" ]] || die "no libnvrtc in $cuda_root or beside torch in $torch_dir"
-  extra="-DCUDA_nvrtc_LIBRARY=$nvrtc"
-fi
-
 export LOCKSTEP_TORCH="$torch_dir"
 export LOCKSTEP_BUILD_DIR="${LOCKSTEP_CUDA_BUILD_DIR:-$root/build-cuda}"
-export LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc -DCUDA_TOOLKIT_ROOT_DIR=$cuda_root -DCUDAToolkit_ROOT=$cuda_root $extra ${LOCKSTEP_CUDA_CMAKE_ARGS:-}"
+export LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc -DCUDA_TOOLKIT_ROOT_DIR=$cuda_root -DCUDAToolkit_ROOT=$cuda_root ${LOCKSTEP_CUDA_CMAKE_ARGS:-}"
 "$root/launch/setup.sh"
 "$LOCKSTEP_BUILD_DIR/bin/lockstep" version
 # The gpu-labelled tests run on a GPU machine (launch/gpu_check.sh); here they must skip cleanly.

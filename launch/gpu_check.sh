@@ -41,16 +41,11 @@ log "torch $(python3 -c 'import torch; print(torch.__version__)') at $torch_dir;
 { nvidia-smi; } >"$out/nvidia-smi.txt" 2>&1
 
 # --- build ---------------------------------------------------------------------------------
-nvrtc_arg=""
-if ! ls "$cuda_root"/lib*/libnvrtc.so* >/dev/null 2>&1; then
-  nvrtc=$(ls "$torch_dir"/../nvidia/*/lib/libnvrtc.so.* 2>/dev/null | grep -v -e builtins -e alt | head -1)
-  [[ -n "$nvrtc" ]] && nvrtc_arg="-DCUDA_nvrtc_LIBRARY=$nvrtc"
-fi
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;$prefix_path" \
     -DLOCKSTEP_CUDA=ON -DLOCKSTEP_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" \
-    -DCUDAToolkit_ROOT="$cuda_root" $nvrtc_arg >"$out/configure.log" 2>&1; then
+    -DCUDAToolkit_ROOT="$cuda_root" >"$out/configure.log" 2>&1; then
   log "configure FAILED (configure.log)"; tail -30 "$out/configure.log"; exit 1
 fi
 start=$SECONDS
