@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench.h"
+#include "diag.h"
 #include "lockstep/checkpoint_info.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
@@ -137,6 +138,23 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   comm_bench->add_flag("--json", copt.json, "One JSON object per measurement");
 
+  // diag | report
+  std::string diag_dir, quarantine_path;
+  bool diag_json = false;
+  auto* diag = app.add_subcommand(
+      "diag", "Summarise a run's skip and abort events per step and per rank; write a quarantine "
+              "file of suspect sample ids");
+  diag->add_option("run_dir", diag_dir, "The run directory (job.dump_folder)")->required();
+  diag->add_flag("--json", diag_json, "Print the summary as JSON");
+  diag->add_option("--quarantine", quarantine_path,
+                   "Where to write the suspect sample ids (default RUN_DIR/quarantine.txt)");
+  std::string report_dir, report_out;
+  auto* report = app.add_subcommand(
+      "report", "Render loss, grad norm with thresholds, LR, skips and a per-rank anomaly "
+                "timeline as a PNG (matplotlib)");
+  report->add_option("run_dir", report_dir, "The run directory (job.dump_folder)")->required();
+  report->add_option("--out", report_out, "The PNG to write (default RUN_DIR/report.png)");
+
   auto* version = app.add_subcommand("version", "Print lockstep, LibTorch, CUDA, NCCL, MPI versions");
 
   try {
@@ -177,6 +195,24 @@ int main(int argc, char** argv) {
     } else if (*comm_bench) {
       if (!lockstep::bench_comm(copt))
         return fail(ExitCode::kFailure, "bench comm: a collective returned a wrong result");
+    } else if (*diag) {
+      const auto summary = lockstep::diagnose(diag_dir);
+      if (diag_json)
+        std::cout << summary.dump(2) << "\n";
+      else
+        std::cout << lockstep::format_diagnosis(summary);
+      if (!summary["quarantine"].empty()) {
+        const std::string path =
+            quarantine_path.empty() ? diag_dir + "/quarantine.txt" : quarantine_path;
+        lockstep::write_quarantine(path, summary);
+        if (!diag_json)
+          fmt::print("quarantine: {} suspect sample id(s) written to {}; resume without them: "
+                     "--data.exclude_ids_file {}\n",
+                     summary["quarantine"].size(), path, path);
+      }
+    } else if (*report) {
+      return lockstep::render_report(report_dir,
+                                     report_out.empty() ? report_dir + "/report.png" : report_out);
     } else if (*version) {
       std::cout << lockstep::version_report();
     }

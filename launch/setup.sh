@@ -65,6 +65,14 @@ else
   TORCH_PREFIX=$(torch_ok "$LOCKSTEP_ROOT/.venv/bin/python") || die "torch in .venv is not usable"
 fi
 
+# --- matplotlib for `lockstep report`, in the .venv lockstep made ----------------
+if [[ -x "$LOCKSTEP_ROOT/.venv/bin/python" ]] && ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import matplotlib" 2>/dev/null; then
+  say "installing matplotlib into .venv (lockstep report draws with it)"
+  "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check matplotlib 2>&1 \
+    | { grep -v "^WARNING: Location" || true; } \
+    || die "pip install matplotlib failed; lockstep report needs it"
+fi
+
 # --- configure + build -----------------------------------------------------------
 mkdir -p "$LOCKSTEP_BUILD_DIR"
 stamp="$TORCH_PREFIX ${LOCKSTEP_CMAKE_ARGS:-}"

@@ -258,6 +258,8 @@ std::string Checkpointer::save(const TrainState& state, const std::vector<NamedT
                  {"data_position", state.data_position},
                  {"tokens_seen", state.tokens_seen},
                  {"world_size", state.world_size},
+                 {"skipped_steps", state.skipped_steps},
+                 {"detector", state.detector},
                  {"rng", {{"cpu", cpu_rng_state()}}},
                  {"config", config},
                  {"checksums",
@@ -308,6 +310,8 @@ TrainState Checkpointer::load(int64_t step, const std::vector<NamedTensor>& mode
   s.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
   s.data_position = meta.at("data_position").get<int64_t>();
   s.tokens_seen = meta.value("tokens_seen", int64_t{0});
+  s.skipped_steps = meta.value("skipped_steps", int64_t{0});
+  s.detector = meta.value("detector", json::object());
   return s;
 }
 
@@ -321,6 +325,9 @@ json checkpoint_info(const std::string& dir_in) {
   json meta = read_meta(dir);
   json info = meta;
   info.erase("rng");
+  if (info.contains("detector") && info["detector"].contains("grad_norms"))
+    info["detector"] = {{"history", info["detector"]["grad_norms"].size()},
+                        {"consecutive_skips", info["detector"]["consecutive_skips"]}};
   info["path"] = dir;
   json tensors = json::array();
   for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {

@@ -22,6 +22,8 @@ struct TrainState {
   int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
   int64_t tokens_seen = 0;
   int64_t world_size = 1;       // ranks that trained up to here (ddp resumes at any size)
+  int64_t skipped_steps = 0;    // steps whose update was skipped by the agreed decision
+  nlohmann::json detector = nlohmann::json::object();  // SkipDetector::state(); {} = fresh
 };
 
 struct CheckpointOptions {

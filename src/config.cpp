@@ -165,6 +165,10 @@ const std::vector<Field>& fields() {
     t.push_back(float_field("lr_scheduler", "min_lr_factor", &C::lr_scheduler,
                             &LRSchedulerConfig::min_lr_factor, 0, false, 1,
                             "final lr as a fraction of the peak"));
+    t.push_back(string_field("lr_scheduler", "on_skip", &C::lr_scheduler,
+                             &LRSchedulerConfig::on_skip, {"advance", "hold"},
+                             "on a skipped step: advance = the lr moves on with the step count; "
+                             "hold = it follows optimizer steps only"));
     // [checkpoint]
     t.push_back(bool_field("checkpoint", "enable", &C::checkpoint, &CheckpointConfig::enable,
                            "save checkpoints and resume from them"));
@@ -193,6 +197,9 @@ const std::vector<Field>& fields() {
                              "auto = uint16 for .bin, else bytes"));
     t.push_back(int_field("data", "synthetic_tokens", &C::data, &DataConfig::synthetic_tokens,
                           1024, 1LL << 31, "length of the generated corpus"));
+    t.push_back(string_field("data", "exclude_ids_file", &C::data, &DataConfig::exclude_ids_file,
+                             {}, "file of sample ids never to draw, one per line (the "
+                             "quarantine file `lockstep diag` writes); \"\" = none"));
     // [parallelism]
     t.push_back(string_field("parallelism", "backend", &C::parallelism,
                              &ParallelismConfig::backend, {"auto", "gloo"},
@@ -206,6 +213,53 @@ const std::vector<Field>& fields() {
     t.push_back(float_field("comm", "train_timeout_seconds", &C::comm,
                             &CommConfig::train_timeout_seconds, 0, true, 86400,
                             "time allowed for each collective; past it the job fails, no hang"));
+    // [skip]
+    t.push_back(bool_field("skip", "enabled", &C::skip, &SkipConfig::enabled,
+                           "skip bad updates (all ranks agree); false = a nonfinite gradient or "
+                           "loss aborts with diagnostics"));
+    t.push_back(float_field("skip", "max_grad_norm", &C::skip, &SkipConfig::max_grad_norm, 0,
+                            false, kInf, "skip when the global grad norm exceeds this; 0 = off"));
+    t.push_back(float_field("skip", "grad_norm_zscore", &C::skip, &SkipConfig::grad_norm_zscore,
+                            0, false, kInf,
+                            "skip when the grad norm's z-score over the window exceeds this; "
+                            "0 = off"));
+    t.push_back(float_field("skip", "loss_zscore", &C::skip, &SkipConfig::loss_zscore, 0, false,
+                            kInf, "skip when the loss's z-score over the window exceeds this; "
+                            "0 = off"));
+    t.push_back(int_field("skip", "window", &C::skip, &SkipConfig::window, 2, 1 << 20,
+                          "accepted steps in the rolling window of the z-scores"));
+    t.push_back(int_field("skip", "min_history", &C::skip, &SkipConfig::min_history, 2, 1 << 20,
+                          "z-scores act once the window holds this many accepted steps"));
+    t.push_back(int_field("skip", "max_consecutive", &C::skip, &SkipConfig::max_consecutive, 0,
+                          kMaxInt, "guard: abort after this many skips in a row; 0 = off"));
+    t.push_back(float_field("skip", "max_fraction", &C::skip, &SkipConfig::max_fraction, 0,
+                            false, 1,
+                            "guard: abort when the skips in the last fraction_window steps "
+                            "exceed this share of it; 0 = off"));
+    t.push_back(int_field("skip", "fraction_window", &C::skip, &SkipConfig::fraction_window, 1,
+                          1 << 20, "steps over which max_fraction counts skips"));
+    // [diagnostics]
+    t.push_back(bool_field("diagnostics", "local_check", &C::diagnostics,
+                           &DiagnosticsConfig::local_check,
+                           "check each rank's own gradient before the sync, to name the culprit "
+                           "rank and parameters"));
+    t.push_back(int_field("diagnostics", "top_params", &C::diagnostics,
+                          &DiagnosticsConfig::top_params, 0, 1 << 20,
+                          "parameters named per skip or abort event"));
+    // [fault]
+    t.push_back(string_field("fault", "inject", &C::fault, &FaultConfig::inject, {},
+                             "faults at given steps: \"KIND@STEP:RANK, ...\", KIND one of "
+                             "nan_grad, inf_grad, nan_loss, spike (tests and demos)"));
+    t.push_back(float_field("fault", "spike_factor", &C::fault, &FaultConfig::spike_factor, 0,
+                            true, kInf, "a spike multiplies the loss and its gradient by this"));
+    t.push_back(string_field("fault", "poison_ids", &C::fault, &FaultConfig::poison_ids, {},
+                             "sample ids whose loss is NaN whenever drawn: \"ID, ID, ...\""));
+    t.push_back(float_field("fault", "random_p", &C::fault, &FaultConfig::random_p, 0, false, 1,
+                            "chance per step and rank of a random fault; 0 = off"));
+    t.push_back(int_field("fault", "random_seed", &C::fault, &FaultConfig::random_seed, 0,
+                          kMaxInt, "seed of the random faults"));
+    t.push_back(string_field("fault", "random_kinds", &C::fault, &FaultConfig::random_kinds, {},
+                             "kinds the random faults draw from, comma-separated"));
     return t;
   }();
   return table;
@@ -428,11 +482,93 @@ void validate_cross(const Config& c) {
         "invalid value for 'model.vocab_size': {} is too small for the synthetic byte corpus; "
         "expected >= 256",
         c.model.vocab_size));
+  parse_fault_inject(c.fault.inject);
+  parse_fault_kinds(c.fault.random_kinds, "fault.random_kinds");
+  parse_id_list(c.fault.poison_ids, "fault.poison_ids");
+  if (c.skip.min_history > c.skip.window)
+    throw ConfigError(fmt::format(
+        "invalid value for 'skip.min_history': {} exceeds skip.window = {}; lower "
+        "skip.min_history or raise skip.window",
+        c.skip.min_history, c.skip.window));
   if (c.job.dump_folder.empty())
     throw ConfigError("invalid value for 'job.dump_folder': \"\"; expected a directory path");
 }
 
+// Splits "a, b ,c" at commas; empty items (and an empty text) give no items.
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(start, end - start);
+    const auto first = item.find_first_not_of(" \t");
+    const auto last = item.find_last_not_of(" \t");
+    if (first != std::string::npos) out.push_back(item.substr(first, last - first + 1));
+    start = end + 1;
+  }
+  return out;
+}
+
+bool parse_int(std::string_view s, int64_t& out) {
+  const char* end = s.data() + s.size();
+  auto r = std::from_chars(s.data(), end, out);
+  return r.ec == std::errc() && r.ptr == end && !s.empty();
+}
+
 }  // namespace
+
+const std::vector<std::string>& fault_kinds() {
+  static const std::vector<std::string> kinds = {"nan_grad", "inf_grad", "nan_loss", "spike"};
+  return kinds;
+}
+
+std::vector<std::string> parse_fault_kinds(const std::string& text, const std::string& key) {
+  std::vector<std::string> out;
+  for (const auto& k : split_list(text)) {
+    if (std::find(fault_kinds().begin(), fault_kinds().end(), k) == fault_kinds().end()) {
+      std::string hint = nearest(k, fault_kinds());
+      throw ConfigError(fmt::format(
+          "invalid value for '{}': unknown fault kind \"{}\"{}; expected nan_grad, inf_grad, "
+          "nan_loss or spike",
+          key, k, hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
+    }
+    out.push_back(k);
+  }
+  return out;
+}
+
+std::vector<FaultInjection> parse_fault_inject(const std::string& text) {
+  std::vector<FaultInjection> out;
+  for (const auto& item : split_list(text)) {
+    const auto at = item.find('@'), colon = item.find(':', at == std::string::npos ? 0 : at);
+    FaultInjection f;
+    if (at == std::string::npos || at == 0 || colon == std::string::npos ||
+        !parse_int(std::string_view(item).substr(at + 1, colon - at - 1), f.step) ||
+        !parse_int(std::string_view(item).substr(colon + 1), f.rank) || f.step < 1 || f.rank < 0)
+      throw ConfigError(fmt::format(
+          "invalid value for 'fault.inject': \"{}\"; expected KIND@STEP:RANK with STEP >= 1 "
+          "and RANK >= 0, e.g. \"nan_grad@120:1\"",
+          item));
+    f.kind = parse_fault_kinds(item.substr(0, at), "fault.inject").at(0);
+    out.push_back(f);
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_id_list(const std::string& text, const std::string& key) {
+  std::vector<int64_t> out;
+  for (const auto& item : split_list(text)) {
+    int64_t v;
+    if (!parse_int(item, v) || v < 0)
+      throw ConfigError(fmt::format(
+          "invalid value for '{}': \"{}\" is not a sample id; expected non-negative integers "
+          "separated by commas",
+          key, item));
+    out.push_back(v);
+  }
+  return out;
+}
 
 Config load_config(std::string_view toml_text, const std::string& origin,
                    const std::vector<Override>& overrides) {

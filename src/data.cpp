@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <charconv>
+#include <fstream>
 #include <cerrno>
 #include <cstring>
 #include <string_view>
@@ -221,9 +223,67 @@ int64_t Sampler::sample_at(int64_t global_position) const {
 std::vector<int64_t> Sampler::next_ids() {
   // Global batch g covers positions [g*B*W, (g+1)*B*W); rank r takes its r-th slice of B.
   std::vector<int64_t> ids(static_cast<size_t>(opt_.local_batch_size));
-  int64_t base = position_ + opt_.rank * opt_.local_batch_size;
-  for (int64_t j = 0; j < opt_.local_batch_size; ++j) ids[j] = sample_at(base + j);
-  position_ += opt_.local_batch_size * opt_.world_size;
+  if (excluded_.empty()) {
+    int64_t base = position_ + opt_.rank * opt_.local_batch_size;
+    for (int64_t j = 0; j < opt_.local_batch_size; ++j) ids[j] = sample_at(base + j);
+    position_ += opt_.local_batch_size * opt_.world_size;
+    return ids;
+  }
+  // With exclusions every rank walks the same positions, skipping excluded ids, until the
+  // global batch is full; rank r keeps its r-th slice.
+  const int64_t first = opt_.rank * opt_.local_batch_size;
+  int64_t taken = 0;
+  while (taken < opt_.local_batch_size * opt_.world_size) {
+    const int64_t id = sample_at(position_++);
+    if (excluded_[static_cast<size_t>(id)]) continue;
+    if (taken >= first && taken < first + opt_.local_batch_size) ids[taken - first] = id;
+    ++taken;
+  }
+  return ids;
+}
+
+void Sampler::set_excluded(const std::vector<int64_t>& ids, const std::string& origin) {
+  excluded_.assign(static_cast<size_t>(num_samples_), false);
+  int64_t count = 0;
+  for (int64_t id : ids) {
+    if (id < 0 || id >= num_samples_)
+      throw InputError(fmt::format(
+          "'{}': sample id {} is not a sample of this data (ids 0..{} at seq_len {}); write the "
+          "quarantine with the same data and training.seq_len",
+          origin, id, num_samples_ - 1, opt_.seq_len));
+    count += !excluded_[static_cast<size_t>(id)];
+    excluded_[static_cast<size_t>(id)] = true;
+  }
+  if (count == 0) excluded_.clear();
+  if (num_samples_ - count < opt_.local_batch_size * opt_.world_size)
+    throw InputError(fmt::format(
+        "'{}' excludes {} of {} samples, fewer than one global batch ({}) would be left; exclude "
+        "fewer ids",
+        origin, count, num_samples_, opt_.local_batch_size * opt_.world_size));
+}
+
+std::vector<int64_t> read_id_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in)
+    throw InputError(fmt::format("cannot read sample id file '{}': no such file or not "
+                                 "readable; check data.exclude_ids_file",
+                                 path));
+  std::vector<int64_t> ids;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    auto hash = line.find('#');
+    if (hash != std::string::npos) line.resize(hash);
+    const auto a = line.find_first_not_of(" \t\r"), b = line.find_last_not_of(" \t\r");
+    if (a == std::string::npos) continue;
+    const std::string item = line.substr(a, b - a + 1);
+    int64_t id = -1;
+    auto r = std::from_chars(item.data(), item.data() + item.size(), id);
+    if (r.ec != std::errc() || r.ptr != item.data() + item.size() || id < 0)
+      throw InputError(fmt::format("'{}' line {}: \"{}\" is not a sample id; expected one "
+                                   "non-negative integer per line",
+                                   path, n, item));
+    ids.push_back(id);
+  }
   return ids;
 }
 

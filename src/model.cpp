@@ -98,4 +98,12 @@ at::Tensor Gpt::loss(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, V}), targets.reshape({-1}));
 }
 
+at::Tensor Gpt::sample_losses(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t B = logits.size(0), V = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, V}), targets.reshape({-1}), {},
+                                at::Reduction::None)
+      .view({B, -1})
+      .mean(1);
+}
+
 }  // namespace lockstep

@@ -6,6 +6,7 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <fmt/format.h>
@@ -13,6 +14,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -28,7 +30,9 @@
 #include "comm.h"
 #include "ddp.h"
 #include "gradcheck.h"
+#include "fault.h"
 #include "optim.h"
+#include "skip.h"
 
 namespace lockstep {
 
@@ -66,45 +70,109 @@ at::Tensor batch_tensor(const Sampler& sampler, const std::vector<int64_t>& ids,
   return t.to(device);
 }
 
-// ", in a (3), b (1)": the tensors holding nonfinite values, most first.
-std::string worst_tensors(const std::vector<NamedTensor>& grads, const GradCheckStats& s) {
-  std::vector<size_t> idx;
-  for (size_t i = 0; i < s.tensor_nonfinite.size(); ++i)
-    if (s.tensor_nonfinite[i] > 0) idx.push_back(i);
+// A norm as users read it: NaN when any element is nonfinite (the check's sum of squares
+// covers the finite elements only; events report that part as "finite_norm").
+double norm_of(double nonfinite, double sumsq) {
+  return nonfinite > 0 ? std::numeric_limits<double>::quiet_NaN() : std::sqrt(sumsq);
+}
+
+// The parameters a diagnostics event names: most nonfinite elements first, then the largest
+// norms, at most `k`.
+nlohmann::json top_params(const std::vector<NamedTensor>& grads, const GradCheckStats& s,
+                          int64_t k) {
+  std::vector<size_t> idx(s.tensor_nonfinite.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  auto norm_key = [&](size_t i) {
+    return std::isfinite(s.tensor_sumsq[i]) ? s.tensor_sumsq[i] : -1.0;
+  };
   std::stable_sort(idx.begin(), idx.end(), [&](size_t a, size_t b) {
-    return s.tensor_nonfinite[a] > s.tensor_nonfinite[b];
+    if (s.tensor_nonfinite[a] != s.tensor_nonfinite[b])
+      return s.tensor_nonfinite[a] > s.tensor_nonfinite[b];
+    return norm_key(a) > norm_key(b);
   });
-  std::string out;
-  for (size_t k = 0; k < idx.size() && k < 3; ++k)
-    out += fmt::format("{}{} ({})", k ? ", " : ", in ", grads[idx[k]].name,
-                       s.tensor_nonfinite[idx[k]]);
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t j = 0; j < idx.size() && static_cast<int64_t>(j) < k; ++j)
+    out.push_back({{"name", grads[idx[j]].name},
+                   {"nonfinite", static_cast<int64_t>(s.tensor_nonfinite[idx[j]])},
+                   {"norm", json_number(norm_of(s.tensor_nonfinite[idx[j]], s.tensor_sumsq[idx[j]]))},
+                   {"finite_norm", json_number(std::sqrt(s.tensor_sumsq[idx[j]]))}});
   return out;
 }
 
-// The stats every rank contributes to a step's decision: its gradient-check buffer (of the
-// shard it owns) and its loss, gathered from all ranks and reduced in rank order, so that every
-// rank computes the same numbers from the same inputs in the same order.
-struct StepStats {
-  GradCheckStats grads;  // over the whole synced gradient
-  double loss = 0;       // mean over ranks
+// The one collective of the decision: every rank's 64-byte stats, in rank order.
+std::vector<RankStats> gather_stats(const RankStats& mine, Comm* comm) {
+  const int w = comm ? comm->size() : 1;
+  std::vector<RankStats> all(static_cast<size_t>(w));
+  if (w == 1) {
+    all[0] = mine;
+    return all;
+  }
+  at::Tensor in = at::empty({kRankStatsDoubles}, at::kDouble);
+  std::memcpy(in.data_ptr<double>(), &mine, sizeof mine);
+  at::Tensor out = at::empty({w, kRankStatsDoubles}, at::kDouble);
+  comm->all_gather(in, out);
+  std::memcpy(static_cast<void*>(all.data()), out.data_ptr<double>(),
+              sizeof(RankStats) * all.size());
+  return all;
+}
+
+// Per rank: the sample ids of its batch and their losses. Gathered on anomalous steps only
+// (the decision is the same everywhere, so every rank takes part).
+struct SampleTable {
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<double>> losses;
 };
 
-StepStats agree(const at::Tensor& check_buffer, double loss, Comm* comm) {
-  at::Tensor mine = at::empty({check_buffer.numel() + 1}, at::kDouble);
-  mine.narrow(0, 0, check_buffer.numel()).copy_(check_buffer);
-  mine.data_ptr<double>()[check_buffer.numel()] = loss;
+SampleTable gather_samples(const std::vector<int64_t>& ids, const std::vector<double>& losses,
+                           Comm* comm) {
   const int w = comm ? comm->size() : 1;
-  at::Tensor all = mine.unsqueeze(0);
-  if (comm && w > 1) {
-    all = at::empty({w, mine.numel()}, at::kDouble);
-    comm->all_gather(mine, all);
+  const auto n = static_cast<int64_t>(ids.size());
+  SampleTable t;
+  if (w == 1) {
+    t.ids = {ids};
+    t.losses = {losses};
+    return t;
   }
-  at::Tensor sum = at::zeros_like(mine);
-  for (int r = 0; r < w; ++r) sum.add_(all.select(0, r));  // rank order
-  StepStats s;
-  s.grads = GradCheck::read(sum.narrow(0, 0, check_buffer.numel()));
-  s.loss = sum.data_ptr<double>()[check_buffer.numel()] / w;
-  return s;
+  at::Tensor in = at::empty({2 * n}, at::kDouble);
+  double* p = in.data_ptr<double>();
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = static_cast<double>(ids[i]);  // exact below 2^53
+    p[n + i] = losses[i];
+  }
+  at::Tensor out = at::empty({w, 2 * n}, at::kDouble);
+  comm->all_gather(in, out);
+  for (int r = 0; r < w; ++r) {
+    const double* q = out.select(0, r).data_ptr<double>();
+    t.ids.emplace_back(n);
+    t.losses.emplace_back(q + n, q + 2 * n);
+    for (int64_t i = 0; i < n; ++i) t.ids.back()[i] = static_cast<int64_t>(q[i]);
+  }
+  return t;
+}
+
+// The samples to blame: those of the culprit ranks whose loss is nonfinite, else all of the
+// culprit ranks' batches.
+std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& t) {
+  std::vector<int64_t> bad, all;
+  for (int r : v.culprit_ranks)
+    for (size_t i = 0; i < t.ids[r].size(); ++i) {
+      all.push_back(t.ids[r][i]);
+      if (!std::isfinite(t.losses[r][i])) bad.push_back(t.ids[r][i]);
+    }
+  return bad.empty() ? all : bad;
+}
+
+std::string brief_ids(const std::vector<int64_t>& ids) {
+  if (ids.size() <= 8) return fmt::format("[{}]", fmt::join(ids, ", "));
+  return fmt::format("[{}, ... {} in all]",
+                     fmt::join(std::vector<int64_t>(ids.begin(), ids.begin() + 8), ", "),
+                     ids.size());
+}
+
+std::string culprits_text(const Verdict& v) {
+  if (v.culprit_ranks.empty()) return "culprit rank unknown";
+  return fmt::format("culprit rank{} {}", v.culprit_ranks.size() > 1 ? "s" : "",
+                     fmt::join(v.culprit_ranks, ", "));
 }
 
 }  // namespace
@@ -144,12 +212,22 @@ TrainResult train(const Config& cfg) {
   auto source = open_source(cfg.data, cfg.model.vocab_size);
   Sampler sampler(*source, {tc.seq_len, tc.local_batch_size, ranks.rank, ranks.world_size,
                             static_cast<uint64_t>(tc.seed)});
+  if (!cfg.data.exclude_ids_file.empty()) {
+    auto excluded = read_id_file(cfg.data.exclude_ids_file);
+    sampler.set_excluded(excluded, cfg.data.exclude_ids_file);
+    log::info("data: {} sample ids excluded by {}", excluded.size(), cfg.data.exclude_ids_file);
+  }
+  const FaultPlan faults(cfg.fault, ranks.world_size);
 
   // Model and optimizer
   Gpt model(cfg.model, static_cast<uint64_t>(tc.seed), device);
   // Gradients live in one flat buffer (one all-reduce); this rank checks its 1/W slice.
   DdpGradients grads(model.parameters(), comm.get());
   GradCheck check(grads.grads(), grads.shard_offset(), grads.shard_length());
+  // [A] this rank's own gradient before the sync: names the culprit rank and parameters.
+  std::unique_ptr<GradCheck> local_check;
+  if (cfg.diagnostics.local_check) local_check = std::make_unique<GradCheck>(grads.grads());
+  SkipDetector detector(cfg.skip);
   AdamW optimizer(model.parameters(),
                   {cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
                    cfg.optimizer.weight_decay, cfg.optimizer.implementation == "fused"});
@@ -173,6 +251,7 @@ TrainResult train(const Config& cfg) {
     if (want > 0) {
       state = ckpt.load(want, model.parameters(), optimizer.state(), config_json);
       sampler.set_position(state.data_position);
+      if (!state.detector.empty()) detector.load_state(state.detector);
       log::info("resumed from {} (step {}, data position {})", ckpt.dir_of(want), state.step,
                 state.data_position);
     }
@@ -193,6 +272,15 @@ TrainResult train(const Config& cfg) {
             tc.gradient_accumulation_steps, ranks.world_size, tc.seq_len, run_dir);
 
   MetricsWriter metrics(lead ? run_dir + "/metrics.jsonl" : "");
+  fs::make_dirs(run_dir + "/diagnostics");
+  MetricsWriter events(fmt::format("{}/diagnostics/rank{}.jsonl", run_dir, ranks.rank));
+  if (cfg.skip.enabled)
+    log::info("skip: on (max_grad_norm {}, grad_norm_zscore {}, loss_zscore {}, window {}, "
+              "min_history {}; guards max_consecutive {}, max_fraction {} of {}); lr on skip: {}",
+              cfg.skip.max_grad_norm, cfg.skip.grad_norm_zscore, cfg.skip.loss_zscore,
+              cfg.skip.window, cfg.skip.min_history, cfg.skip.max_consecutive,
+              cfg.skip.max_fraction, cfg.skip.fraction_window, cfg.lr_scheduler.on_skip);
+  if (!faults.empty()) log::warn("fault injection is on ([fault]): this run is a test or demo");
   TrainResult result;
   result.start_step = state.step;
   const int64_t tokens_per_step =
@@ -211,54 +299,177 @@ TrainResult train(const Config& cfg) {
     if (comm) comm->barrier();
   };
 
+  const double kNaN = std::numeric_limits<double>::quiet_NaN();
+  const bool hold_lr = cfg.lr_scheduler.on_skip == "hold";
   while (state.step < tc.steps) {
-    const int64_t step = state.step;
-    const double lr = lr_at(schedule, step);
+    const int64_t step_no = state.step + 1;  // 1-based, as logged
+    const double lr = lr_at(schedule, hold_lr ? state.optimizer_steps : state.step);
+    const std::string fault = faults.at(step_no, ranks.rank);
 
-    // Forward and backward over the micro-batches; gradients accumulate in .grad.
+    // Forward and backward over the micro-batches; gradients accumulate in .grad. Faults act
+    // where bad data would: on the per-sample losses and on the loss back-propagated.
     double loss_sum = 0;
+    std::vector<int64_t> step_ids;
+    std::vector<double> step_losses;
     for (int64_t micro = 0; micro < tc.gradient_accumulation_steps; ++micro) {
       auto ids = sampler.next_ids();
       at::Tensor batch = batch_tensor(sampler, ids, tc.seq_len, device);  // (B, T + 1)
       at::Tensor x = batch.slice(1, 0, tc.seq_len);                       // (B, T)
       at::Tensor y = batch.slice(1, 1, tc.seq_len + 1);                   // (B, T)
-      at::Tensor loss = Gpt::loss(model.forward(x, /*train=*/true), y);
-      loss.div(static_cast<double>(tc.gradient_accumulation_steps)).backward();
+      at::Tensor per_sample = Gpt::sample_losses(model.forward(x, /*train=*/true), y);  // (B)
+      const bool first = micro == 0;
+      if (faults.has_poison() || (first && (fault == "nan_loss" || fault == "spike"))) {
+        at::Tensor factor = at::ones({static_cast<int64_t>(ids.size())}, at::kFloat);
+        float* f = factor.data_ptr<float>();
+        for (size_t i = 0; i < ids.size(); ++i)
+          if (faults.poisoned(ids[i])) f[i] = std::numeric_limits<float>::quiet_NaN();
+        if (first && fault == "nan_loss") f[0] = std::numeric_limits<float>::quiet_NaN();
+        if (first && fault == "spike")
+          for (size_t i = 0; i < ids.size(); ++i) f[i] *= static_cast<float>(faults.spike_factor());
+        per_sample = per_sample.mul(factor.to(device));
+      }
+      at::Tensor loss = per_sample.mean();
+      at::Tensor objective = loss.div(static_cast<double>(tc.gradient_accumulation_steps));
+      if (first && fault == "nan_grad") objective = objective.mul(kNaN);
+      if (first && fault == "inf_grad")
+        objective = objective.mul(std::numeric_limits<double>::infinity());
+      objective.backward();
+      at::Tensor host = per_sample.detach().to(at::kDouble).cpu();
+      step_losses.insert(step_losses.end(), host.data_ptr<double>(),
+                         host.data_ptr<double>() + host.numel());
+      step_ids.insert(step_ids.end(), ids.begin(), ids.end());
       loss_sum += loss.item<double>();
     }
-    grads.average();  // one all-reduce of the flat gradient buffer
 
-    // One fused pass over this rank's slice of the gradients, then one small collective of
-    // the per-rank stats: every rank reaches the same numbers. Clipping reuses the norm
-    // through the optimizer's grad_scale: no second pass.
-    const StepStats agreed = agree(check.run(), loss_sum / static_cast<double>(
-                                                    tc.gradient_accumulation_steps),
-                                   comm.get());
-    const GradCheckStats& health = agreed.grads;
-    const double loss = agreed.loss;
-    const double grad_norm = std::sqrt(health.sumsq);
-    if (!std::isfinite(loss) || health.nonfinite > 0) {
-      log::flush();
-      throw TrainingAborted(fmt::format(
-          "step {}: nonfinite {} (loss {}, {} nonfinite gradient elements{}); the weights were not "
-          "updated and the last checkpoint is intact; lower optimizer.lr or check the data",
-          step, std::isfinite(loss) ? "gradient" : "loss", loss, health.nonfinite,
-          worst_tensors(grads.grads(), health)));
+    // [A] this rank's own gradient, [B] after the sync the slice this rank checks, then the
+    // one small collective: every rank holds every rank's 64-byte stats and decides alike.
+    RankStats mine;
+    GradCheckStats local;
+    if (local_check) {
+      local = GradCheck::read(local_check->run());
+      mine.local_nonfinite = local.nonfinite;
+      mine.local_sumsq = local.sumsq;
     }
-    if (health.overflow_runs > 0)
-      log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64", step,
-                grad_norm);
-    const double clip = clip_coefficient(grad_norm, tc.max_norm);
-    at::Tensor grad_scale;
-    if (clip < 1.0)
-      grad_scale = at::empty({}, model.parameters()[0].tensor.options()).fill_(1.0 / clip);
-    optimizer.step(lr, grad_scale);
+    grads.average();  // one all-reduce of the flat gradient buffer
+    const GradCheckStats shard = GradCheck::read(check.run());
+    mine.shard_nonfinite = shard.nonfinite;
+    mine.shard_sumsq = shard.sumsq;
+    mine.overflow_runs = shard.overflow_runs;
+    mine.loss = loss_sum / static_cast<double>(tc.gradient_accumulation_steps);
+    mine.tokens = static_cast<double>(tc.local_batch_size * tc.seq_len *
+                                      tc.gradient_accumulation_steps);
+    for (double l : step_losses) mine.bad_samples += !std::isfinite(l);
+    const std::vector<RankStats> all_ranks = gather_stats(mine, comm.get());
+    const Verdict verdict = detector.decide(all_ranks);
+    const double loss = verdict.loss;
+    const double grad_norm = verdict.grad_norm;
+    if (verdict.overflow_runs > 0 && verdict.nonfinite == 0)
+      log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64",
+                step_no, grad_norm);
+
+    if (verdict.anomalous()) {
+      // Explain it: every rank writes its event (its own view plus the agreed table).
+      const SampleTable samples = gather_samples(step_ids, step_losses, comm.get());
+      const std::vector<int64_t> suspects = suspect_samples(verdict, samples);
+      const GradCheckStats& attribution = local_check ? local : shard;
+      nlohmann::json table = nlohmann::json::array();
+      for (size_t r = 0; r < all_ranks.size(); ++r)
+        table.push_back({{"rank", r},
+                         {"loss", json_number(all_ranks[r].loss)},
+                         {"local_grad_norm", json_number(norm_of(all_ranks[r].local_nonfinite,
+                                                                 all_ranks[r].local_sumsq))},
+                         {"local_nonfinite", static_cast<int64_t>(all_ranks[r].local_nonfinite)},
+                         {"shard_nonfinite", static_cast<int64_t>(all_ranks[r].shard_nonfinite)},
+                         {"bad_samples", static_cast<int64_t>(all_ranks[r].bad_samples)}});
+      nlohmann::json loss_list = nlohmann::json::array();
+      for (double l : step_losses) loss_list.push_back(json_number(l));
+      const bool skip = verdict.decision == Decision::kSkip;
+      events.write(
+          {{"step", step_no},
+           {"decision", decision_name(verdict.decision)},
+           {"reasons", verdict.reasons},
+           {"guard", verdict.guard},
+           {"global",
+            {{"grad_norm", json_number(grad_norm)},
+             {"nonfinite", static_cast<int64_t>(verdict.nonfinite)},
+             {"loss", json_number(loss)},
+             {"overflow_runs", static_cast<int64_t>(verdict.overflow_runs)},
+             {"grad_norm_z", json_number(verdict.grad_norm_z)},
+             {"loss_z", json_number(verdict.loss_z)}}},
+           {"window",
+            {{"history", detector.history()},
+             {"grad_norm_mean", json_number(detector.grad_norms().mean())},
+             {"grad_norm_std", json_number(detector.grad_norms().stddev())},
+             {"loss_mean", json_number(detector.losses().mean())},
+             {"loss_std", json_number(detector.losses().stddev())}}},
+           {"thresholds",
+            {{"max_grad_norm", cfg.skip.max_grad_norm},
+             {"grad_norm_zscore", cfg.skip.grad_norm_zscore},
+             {"loss_zscore", cfg.skip.loss_zscore},
+             {"min_history", cfg.skip.min_history}}},
+           {"rank", ranks.rank},
+           {"local",
+            {{"loss", json_number(mine.loss)},
+             {"grad_norm", json_number(local_check ? norm_of(local.nonfinite, local.sumsq) : kNaN)},
+             {"finite_norm", json_number(local_check ? std::sqrt(local.sumsq) : kNaN)},
+             {"nonfinite", static_cast<int64_t>(local.nonfinite)},
+             {"fault", fault},
+             {"sample_ids", step_ids},
+             {"sample_losses", loss_list},
+             {"top_params_scope", local_check ? "local" : "shard"},
+             {"top_params", top_params(grads.grads(), attribution, cfg.diagnostics.top_params)}}},
+           {"ranks", table},
+           {"culprit_ranks", verdict.culprit_ranks},
+           {"suspect_sample_ids", suspects},
+           {"lr", lr},
+           {"counters",
+            {{"step", step_no},
+             {"optimizer_steps", state.optimizer_steps},
+             {"skipped_steps", state.skipped_steps + (skip ? 1 : 0)},
+             {"consecutive_skips", detector.consecutive_skips() + (skip ? 1 : 0)}}}});
+      const std::string why = fmt::format("{}", fmt::join(verdict.reasons, ", "));
+      if (skip) {
+        const std::string msg = fmt::format(
+            "step {}: SKIP ({}) | grad_norm {:.4g}, {} nonfinite, loss {:.4g} | {} | samples {} | "
+            "weights and optimizer state untouched; skipped {} of {}",
+            step_no, why, grad_norm, static_cast<int64_t>(verdict.nonfinite), loss,
+            culprits_text(verdict), brief_ids(suspects), state.skipped_steps + 1, step_no);
+        if (lead) log::warn("{}", msg); else log::info("{}", msg);
+      } else {
+        log::flush();
+        // The weights are still the last good state: keep it, then stop every rank alike.
+        std::string saved = "no checkpoint (checkpoint.enable = false)";
+        if (cfg.checkpoint.enable && state.step > 0) {
+          save();
+          saved = "last good state saved in " + ckpt.dir_of(state.step);
+        }
+        throw TrainingAborted(fmt::format(
+            "step {}: aborted on {} ({}) | grad_norm {:.4g}, {} nonfinite, loss {:.4g} | {} | "
+            "samples {} | {}; details in {}/diagnostics; exclude the samples with `lockstep diag "
+            "{}` and data.exclude_ids_file, or enable skip.enabled",
+            step_no, why, verdict.guard, grad_norm, static_cast<int64_t>(verdict.nonfinite),
+            loss, culprits_text(verdict), brief_ids(suspects), saved, run_dir, run_dir));
+      }
+    }
+
+    // The update. A skip reaches the fused AdamW as found_inf = 1: parameters, moments and step
+    // counts stay bitwise as they were. Clipping reuses the agreed norm through grad_scale.
+    const bool skipped = verdict.decision == Decision::kSkip;
+    at::Tensor grad_scale, found_inf;
+    const auto options = model.parameters()[0].tensor.options();
+    const double clip = skipped ? 1.0 : clip_coefficient(grad_norm, tc.max_norm);
+    if (skipped) found_inf = at::ones({}, options);
+    if (clip < 1.0) grad_scale = at::empty({}, options).fill_(1.0 / clip);
+    optimizer.step(lr, grad_scale, found_inf);
     optimizer.zero_grad();
+    detector.record(verdict);
 
     state.step += 1;
-    state.optimizer_steps += 1;
+    state.optimizer_steps += skipped ? 0 : 1;
+    state.skipped_steps += skipped ? 1 : 0;
     state.data_position = sampler.position();
     state.tokens_seen += tokens_per_step;
+    state.detector = detector.state();
     result.losses.push_back(loss);
     ++interval_steps;
 
@@ -269,18 +480,29 @@ TrainResult train(const Config& cfg) {
       const double ms_per_step = 1e3 * secs / static_cast<double>(interval_steps);
       const double tok_s = static_cast<double>(interval_steps * tokens_per_step) / secs;
       const double eta = static_cast<double>(tc.steps - state.step) * ms_per_step / 1e3;
-      log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | ms/step {:.1f} | "
-                "tok/s {:.0f} | ETA {}",
-                state.step, tc.steps, loss, grad_norm, lr, ms_per_step, tok_s, format_eta(eta));
+      log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | skipped {} | "
+                "ms/step {:.1f} | tok/s {:.0f} | ETA {}",
+                state.step, tc.steps, loss, grad_norm, lr, state.skipped_steps, ms_per_step,
+                tok_s, format_eta(eta));
       metrics.write({{"step", state.step},
                      {"loss", json_number(loss)},
                      {"grad_norm", json_number(grad_norm)},
                      {"clip_coef", clip},
                      {"lr", lr},
+                     {"decision", decision_name(verdict.decision)},
                      {"ms_per_step", ms_per_step},
                      {"tokens_per_s", tok_s},
                      {"tokens_seen", state.tokens_seen},
                      {"optimizer_steps", state.optimizer_steps},
+                     {"skipped_steps", state.skipped_steps},
+                     {"consecutive_skips", detector.consecutive_skips()},
+                     {"skip_rate", static_cast<double>(state.skipped_steps) /
+                                       static_cast<double>(state.step)},
+                     {"window_history", detector.history()},
+                     {"grad_norm_mean", json_number(detector.grad_norms().mean())},
+                     {"grad_norm_std", json_number(detector.grad_norms().stddev())},
+                     {"loss_mean", json_number(detector.losses().mean())},
+                     {"loss_std", json_number(detector.losses().stddev())},
                      {"elapsed_s", std::chrono::duration<double>(now - run_start).count()}});
       interval_start = now;
       interval_steps = 0;
@@ -292,10 +514,12 @@ TrainResult train(const Config& cfg) {
   const int64_t ran = state.step - result.start_step;
   result.final_step = state.step;
   result.optimizer_steps = state.optimizer_steps;
+  result.skipped_steps = state.skipped_steps;
   result.tokens_per_second = ran > 0 ? static_cast<double>(ran * tokens_per_step) / total : 0.0;
   if (ran > 0)
-    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}, parameters crc32 {}",
-              ran, total, result.tokens_per_second, result.losses.back(),
+    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}, {} skipped, "
+              "parameters crc32 {}",
+              ran, total, result.tokens_per_second, result.losses.back(), state.skipped_steps,
               tensors_crc32(model.parameters()));
   else
     log::info("nothing to do: the run is already at step {} of {}", state.step, tc.steps);

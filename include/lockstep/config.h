@@ -53,6 +53,7 @@ struct LRSchedulerConfig {
   int64_t warmup_steps = 20;
   std::string decay_type = "cosine";  // linear | cosine | constant
   double min_lr_factor = 0.1;
+  std::string on_skip = "advance";  // advance: lr follows `step`; hold: lr follows optimizer steps
 };
 
 struct CheckpointConfig {
@@ -72,6 +73,7 @@ struct DataConfig {
   std::string path = "";
   std::string format = "auto";  // auto | bytes | uint16 (auto: .bin means uint16)
   int64_t synthetic_tokens = 1 << 20;
+  std::string exclude_ids_file = "";  // sample ids never drawn (one per line; `lockstep diag`)
 };
 
 struct ParallelismConfig {
@@ -82,6 +84,35 @@ struct ParallelismConfig {
 struct CommConfig {
   double init_timeout_seconds = 300;   // rendezvous
   double train_timeout_seconds = 100;  // each collective; a lost rank fails the job, no hang
+};
+
+// Collective-aware skipping of bad updates (design.md). Off by default: then a nonfinite
+// gradient or loss aborts the job cleanly with diagnostics.
+struct SkipConfig {
+  bool enabled = false;
+  double max_grad_norm = 0;       // skip when the global grad norm exceeds this; 0 = off
+  double grad_norm_zscore = 6;    // skip when (norm - mean) / std over the window exceeds this
+  double loss_zscore = 6;         // the same on the global loss; 0 = off
+  int64_t window = 128;           // accepted steps in the rolling window
+  int64_t min_history = 32;       // z-scores act once the window holds this many steps
+  int64_t max_consecutive = 10;   // guard: abort after this many skips in a row; 0 = off
+  double max_fraction = 0.1;      // guard: abort when skips exceed this share of fraction_window
+  int64_t fraction_window = 1000;
+};
+
+struct DiagnosticsConfig {
+  bool local_check = true;  // check each rank's own gradient before the sync (attribution)
+  int64_t top_params = 5;   // parameters named per event
+};
+
+// Fault injection for tests and demos, applied where bad data acts: the batch and the loss.
+struct FaultConfig {
+  std::string inject = "";        // "KIND@STEP:RANK, ...": nan_grad, inf_grad, nan_loss, spike
+  double spike_factor = 1000;     // a spike multiplies the loss (and so the gradient) by this
+  std::string poison_ids = "";    // "ID, ID, ...": a sample whose loss is NaN whenever drawn
+  double random_p = 0;            // chance per (step, rank) of a random fault
+  int64_t random_seed = 0;
+  std::string random_kinds = "nan_grad, inf_grad, nan_loss, spike";
 };
 
 struct Config {
@@ -95,7 +126,23 @@ struct Config {
   DataConfig data;
   ParallelismConfig parallelism;
   CommConfig comm;
+  SkipConfig skip;
+  DiagnosticsConfig diagnostics;
+  FaultConfig fault;
 };
+
+// One injection from fault.inject: `kind` at 1-based step `step` on rank `rank`.
+struct FaultInjection {
+  std::string kind;
+  int64_t step = 0;
+  int64_t rank = 0;
+};
+// The fault kinds, in the order random faults draw from.
+const std::vector<std::string>& fault_kinds();
+// Parsers of the list-valued strings; throw ConfigError naming `key` and the bad item.
+std::vector<FaultInjection> parse_fault_inject(const std::string& text);
+std::vector<std::string> parse_fault_kinds(const std::string& text, const std::string& key);
+std::vector<int64_t> parse_id_list(const std::string& text, const std::string& key);
 
 // One `--section.key value` pair from the command line.
 using Override = std::pair<std::string, std::string>;

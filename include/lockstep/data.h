@@ -57,8 +57,13 @@ class Sampler {
   // The sample id at a global position (epoch-wise permutation).
   int64_t sample_at(int64_t global_position) const;
 
-  // The ids of this rank's next local batch; advances the position by one global batch.
+  // The ids of this rank's next local batch; advances the position by one global batch (and
+  // past any excluded ids met on the way, the same on every rank).
   std::vector<int64_t> next_ids();
+
+  // Sample ids never to draw (a quarantine). Throws InputError naming `origin` for an id that
+  // is not a sample of this data, or when nothing would be left to draw.
+  void set_excluded(const std::vector<int64_t>& ids, const std::string& origin);
 
   // Fills tokens (ids.size() rows of seq_len + 1) for the given sample ids.
   void fill(const std::vector<int64_t>& ids, int64_t* tokens) const;
@@ -72,6 +77,11 @@ class Sampler {
   int64_t position_ = 0;
   mutable int64_t perm_epoch_ = -1;
   mutable std::vector<int64_t> perm_;
+  std::vector<bool> excluded_;  // by sample id; empty = none
 };
+
+// Reads a file of sample ids, one per line ('#' starts a comment). Throws InputError naming
+// the file and line.
+std::vector<int64_t> read_id_file(const std::string& path);
 
 }  // namespace lockstep

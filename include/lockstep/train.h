@@ -12,6 +12,7 @@ struct TrainResult {
   int64_t start_step = 0;       // 0 for a fresh run, else the step resumed from
   int64_t final_step = 0;       // steps completed
   int64_t optimizer_steps = 0;
+  int64_t skipped_steps = 0;    // in the whole run, resumed part included
   std::vector<double> losses;   // one per step run by this call, in order
   double tokens_per_second = 0; // over the steps run by this call
 };
