@@ -16,23 +16,12 @@
 
 #include "test_util.h"
 
+using lockstep::test::capture;
+using lockstep::test::CliRun;
+using lockstep::test::outcome;
+using lockstep::test::RunOutcome;
+
 namespace {
-
-struct CliRun {
-  int code;
-  std::string out;  // stdout and stderr together
-};
-
-// Runs a shell command; returns its exit code and stdout + stderr.
-CliRun capture(const std::string& cmd) {
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int status = ::pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
-}
 
 // Runs `lockstep ARGS`, with `env` ("NAME=value ...") added to its environment.
 CliRun run(const std::string& args, const std::string& env = "") {
@@ -101,25 +90,6 @@ TEST(Cli, MissingLauncherVariableIsNamed) {
   EXPECT_NE(bad.out.find("WORLD_SIZE is not set"), std::string::npos) << bad.out;
 }
 
-// The metrics file's losses and the "parameters crc32" each rank logs at the end.
-struct RunOutcome {
-  std::vector<double> losses;
-  std::vector<std::string> crcs;  // per rank
-};
-
-RunOutcome outcome(const std::string& run_dir, int ranks) {
-  RunOutcome o;
-  std::ifstream metrics(run_dir + "/metrics.jsonl");
-  std::string line;
-  while (std::getline(metrics, line)) o.losses.push_back(nlohmann::json::parse(line)["loss"]);
-  for (int r = 0; r < ranks; ++r) {
-    std::ifstream log(run_dir + "/logs/rank" + std::to_string(r) + ".log");
-    std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-    auto at = text.rfind("parameters crc32 ");
-    o.crcs.push_back(at == std::string::npos ? "" : text.substr(at + 17, 8));
-  }
-  return o;
-}
 
 TEST(Cli, TwoRanksOverGlooMatchOneRankWithTheSameGlobalBatch) {
   lockstep::test::TempDir dir;

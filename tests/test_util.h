@@ -1,7 +1,15 @@
 // Helpers shared by the tests.
 #pragma once
 
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <iterator>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -30,6 +38,55 @@ class TempDir {
 
 inline void write_bytes(const std::string& path, std::string_view bytes) {
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<long>(bytes.size()));
+}
+
+struct CliRun {
+  int code;
+  std::string out;  // stdout and stderr together
+};
+
+// Runs a shell command; returns its exit code and stdout + stderr.
+inline CliRun capture(const std::string& cmd) {
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// One JSON object per line of a JSON Lines file.
+inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The metrics file's losses and the "parameters crc32" each rank logs at the end.
+struct RunOutcome {
+  std::vector<double> losses;
+  std::vector<std::string> crcs;  // per rank
+};
+
+inline RunOutcome outcome(const std::string& run_dir, int ranks) {
+  RunOutcome o;
+  for (const auto& m : read_jsonl(run_dir + "/metrics.jsonl"))  // NaN is written as "NaN"
+    o.losses.push_back(m["loss"].is_number() ? m["loss"].get<double>() : std::nan(""));
+  for (int r = 0; r < ranks; ++r) {
+    const std::string text = read_text(run_dir + "/logs/rank" + std::to_string(r) + ".log");
+    auto at = text.rfind("parameters crc32 ");
+    o.crcs.push_back(at == std::string::npos ? "" : text.substr(at + 17, 8));
+  }
+  return o;
 }
 
 }  // namespace lockstep::test

@@ -1,0 +1,317 @@
+// The step decision (SkipDetector), fault plans, quarantines and their config keys.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "fault.h"
+#include "lockstep/config.h"
+#include "lockstep/data.h"
+#include "lockstep/error.h"
+#include "skip.h"
+#include "test_util.h"
+
+using namespace lockstep;
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+SkipConfig enabled_policy() {
+  SkipConfig c;
+  c.enabled = true;
+  c.window = 16;
+  c.min_history = 8;
+  c.max_consecutive = 0;
+  c.max_fraction = 0;
+  return c;
+}
+
+// `w` healthy ranks whose synced shards add up to a global norm of `norm` and loss `loss`.
+std::vector<RankStats> healthy(int w, double norm, double loss) {
+  std::vector<RankStats> v(static_cast<size_t>(w));
+  for (auto& r : v) {
+    r.shard_sumsq = norm * norm / w;
+    r.local_sumsq = norm * norm;
+    r.loss = loss;
+    r.tokens = 128;
+  }
+  return v;
+}
+
+// Feeds `n` accepted steps with a little deterministic jitter.
+void warm_up(SkipDetector& d, int n, double norm = 1.0, double loss = 3.0) {
+  for (int i = 0; i < n; ++i) {
+    const double j = 0.01 * ((i * 7) % 5);
+    Verdict v = d.decide(healthy(2, norm + j, loss - j));
+    ASSERT_EQ(v.decision, Decision::kStep) << "warm-up step " << i;
+    d.record(v);
+  }
+}
+
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+}  // namespace
+
+TEST(SkipDetector, HealthyStepsStepAndReduceInRankOrder) {
+  SkipDetector d(enabled_policy());
+  auto ranks = healthy(3, 2.0, 1.5);
+  ranks[1].loss = 2.5;
+  Verdict v = d.decide(ranks);
+  EXPECT_EQ(v.decision, Decision::kStep);
+  EXPECT_TRUE(v.reasons.empty());
+  EXPECT_TRUE(v.culprit_ranks.empty());
+  EXPECT_DOUBLE_EQ(v.grad_norm, std::sqrt(4.0 / 3 + 4.0 / 3 + 4.0 / 3));
+  EXPECT_DOUBLE_EQ(v.loss, (1.5 + 2.5 + 1.5) / 3);
+  EXPECT_TRUE(std::isnan(v.grad_norm_z)) << "no z-score before min_history";
+}
+
+TEST(SkipDetector, NonfiniteGradientAbortsWhenSkippingIsOffAndNamesTheRank) {
+  SkipConfig off;  // the stock behaviour
+  SkipDetector d(off);
+  auto ranks = healthy(4, 1.0, 2.0);
+  ranks[2].local_nonfinite = 17;
+  ranks[0].shard_nonfinite = 9;  // after the sync the NaNs sit in whichever shard
+  Verdict v = d.decide(ranks);
+  EXPECT_EQ(v.decision, Decision::kAbort);
+  EXPECT_EQ(v.reasons, std::vector<std::string>{"nonfinite_grad"});
+  EXPECT_EQ(v.culprit_ranks, std::vector<int>{2});
+  EXPECT_EQ(v.nonfinite, 9);
+  EXPECT_TRUE(std::isnan(v.grad_norm));
+  EXPECT_EQ(v.guard, "skip.enabled = false");
+}
+
+TEST(SkipDetector, ThresholdsDoNothingWhenSkippingIsOff) {
+  SkipConfig off;
+  off.max_grad_norm = 0.5;
+  SkipDetector d(off);
+  EXPECT_EQ(d.decide(healthy(2, 10.0, 1.0)).decision, Decision::kStep);
+}
+
+TEST(SkipDetector, NonfiniteLossOnOneRankSkipsAndBlamesIt) {
+  SkipDetector d(enabled_policy());
+  auto ranks = healthy(3, 1.0, 2.0);
+  ranks[1].loss = kNaN;
+  ranks[1].bad_samples = 1;
+  Verdict v = d.decide(ranks);
+  EXPECT_EQ(v.decision, Decision::kSkip);
+  EXPECT_EQ(v.reasons, std::vector<std::string>{"nonfinite_loss"});
+  EXPECT_EQ(v.culprit_ranks, std::vector<int>{1});
+}
+
+TEST(SkipDetector, MaxGradNormSkipsAndBlamesTheLargestLocalGradient) {
+  SkipConfig c = enabled_policy();
+  c.max_grad_norm = 5.0;
+  SkipDetector d(c);
+  EXPECT_EQ(d.decide(healthy(2, 4.9, 1.0)).decision, Decision::kStep);
+  auto ranks = healthy(2, 6.0, 1.0);
+  ranks[1].local_sumsq = 1000;
+  Verdict v = d.decide(ranks);
+  EXPECT_EQ(v.decision, Decision::kSkip);
+  EXPECT_EQ(v.reasons, std::vector<std::string>{"grad_norm_above_max"});
+  EXPECT_EQ(v.culprit_ranks, std::vector<int>{1});
+}
+
+TEST(SkipDetector, ZScoresActAfterMinHistoryAndTheOutlierNeverEntersTheWindow) {
+  SkipConfig c = enabled_policy();
+  SkipDetector d(c);
+  warm_up(d, 7);
+  // Below min_history: a spike is not judged.
+  Verdict early = d.decide(healthy(2, 50.0, 3.0));
+  EXPECT_EQ(early.decision, Decision::kStep);
+  EXPECT_TRUE(std::isnan(early.grad_norm_z));
+  warm_up(d, 5);
+  const double mean = d.grad_norms().mean(), sd = d.grad_norms().stddev();
+  const int64_t history = d.history();
+
+  auto spike = healthy(2, 50.0, 3.0);
+  spike[0].local_sumsq = 2500;  // rank 0's own gradient is the big one
+  Verdict v = d.decide(spike);
+  EXPECT_EQ(v.decision, Decision::kSkip);
+  EXPECT_EQ(v.reasons, std::vector<std::string>{"grad_norm_spike"});
+  EXPECT_EQ(v.culprit_ranks, std::vector<int>{0});
+  EXPECT_GT(v.grad_norm_z, 6.0);
+  d.record(v);
+  EXPECT_EQ(d.history(), history);
+  EXPECT_TRUE(same_bits(d.grad_norms().mean(), mean));
+  EXPECT_TRUE(same_bits(d.grad_norms().stddev(), sd));
+  EXPECT_EQ(d.consecutive_skips(), 1);
+
+  auto loss_spike = healthy(2, 1.0, 3.0);
+  loss_spike[1].loss = 300;
+  Verdict l = d.decide(loss_spike);
+  EXPECT_EQ(l.decision, Decision::kSkip);
+  EXPECT_EQ(l.reasons, std::vector<std::string>{"loss_spike"});
+  EXPECT_EQ(l.culprit_ranks, std::vector<int>{1});
+
+  // A normal step after the skips is accepted and resets the run of skips.
+  Verdict ok = d.decide(healthy(2, 1.02, 2.98));
+  EXPECT_EQ(ok.decision, Decision::kStep);
+  d.record(ok);
+  EXPECT_EQ(d.consecutive_skips(), 0);
+}
+
+TEST(SkipDetector, ConsecutiveGuardTurnsTheNextSkipIntoAnAbort) {
+  SkipConfig c = enabled_policy();
+  c.max_consecutive = 3;
+  SkipDetector d(c);
+  auto bad = healthy(2, 1.0, 1.0);
+  bad[0].shard_nonfinite = bad[0].local_nonfinite = 1;
+  for (int i = 0; i < 3; ++i) {
+    Verdict v = d.decide(bad);
+    ASSERT_EQ(v.decision, Decision::kSkip) << i;
+    d.record(v);
+  }
+  Verdict v = d.decide(bad);
+  EXPECT_EQ(v.decision, Decision::kAbort);
+  EXPECT_NE(v.guard.find("max_consecutive = 3: 4 skips in a row"), std::string::npos) << v.guard;
+  d.record(v);  // an abort changes nothing
+  EXPECT_EQ(d.consecutive_skips(), 3);
+}
+
+TEST(SkipDetector, FractionGuardCountsSkipsInTheWindow) {
+  SkipConfig c = enabled_policy();
+  c.max_fraction = 0.2;
+  c.fraction_window = 10;  // at most 2 skips in any 10 steps
+  SkipDetector d(c);
+  auto bad = healthy(2, 1.0, 1.0);
+  bad[1].shard_nonfinite = 4;
+  auto step = [&](bool faulty) {
+    Verdict v = d.decide(faulty ? bad : healthy(2, 1.0, 1.0));
+    d.record(v);
+    return v.decision;
+  };
+  EXPECT_EQ(step(true), Decision::kSkip);
+  for (int i = 0; i < 4; ++i) step(false);
+  EXPECT_EQ(step(true), Decision::kSkip);
+  for (int i = 0; i < 3; ++i) step(false);
+  EXPECT_EQ(d.decide(bad).decision, Decision::kAbort) << "third skip within 10 steps";
+  step(false);  // the first skip leaves the window
+  EXPECT_EQ(step(true), Decision::kSkip);
+}
+
+TEST(SkipDetector, StateRoundTripsExactly) {
+  SkipConfig c = enabled_policy();
+  c.max_fraction = 0.5;
+  c.fraction_window = 20;
+  SkipDetector a(c);
+  warm_up(a, 11, 1.234567891234, 2.718281828459);
+  auto bad = healthy(2, 1.0, 1.0);
+  bad[0].shard_nonfinite = 1;
+  a.record(a.decide(bad));
+  SkipDetector b(c);
+  b.load_state(nlohmann::json::parse(a.state().dump()));
+  EXPECT_EQ(b.state(), a.state());
+  auto probe = healthy(2, 1.3, 2.5);
+  Verdict va = a.decide(probe), vb = b.decide(probe);
+  EXPECT_TRUE(same_bits(va.grad_norm_z, vb.grad_norm_z));
+  EXPECT_TRUE(same_bits(va.loss_z, vb.loss_z));
+  EXPECT_EQ(b.consecutive_skips(), 1);
+}
+
+TEST(FaultPlan, ExplicitAndRandomFaultsAreDeterministic) {
+  FaultConfig f;
+  f.inject = "nan_grad@3:1, spike@5:0";
+  FaultPlan plan(f, 2);
+  EXPECT_EQ(plan.at(3, 1), "nan_grad");
+  EXPECT_EQ(plan.at(3, 0), "");
+  EXPECT_EQ(plan.at(5, 0), "spike");
+  EXPECT_FALSE(plan.has_poison());
+
+  f.inject = "";
+  f.random_p = 0.1;
+  f.random_seed = 7;
+  f.random_kinds = "nan_loss, inf_grad";
+  FaultPlan r1(f, 4), r2(f, 4);
+  int hits = 0;
+  for (int s = 1; s <= 2000; ++s)
+    for (int r = 0; r < 4; ++r) {
+      const std::string k = r1.at(s, r);
+      EXPECT_EQ(k, r2.at(s, r));
+      if (!k.empty()) {
+        ++hits;
+        EXPECT_TRUE(k == "nan_loss" || k == "inf_grad") << k;
+      }
+    }
+  EXPECT_NEAR(hits / 8000.0, 0.1, 0.02);
+  f.random_seed = 8;
+  FaultPlan other(f, 4);
+  int differ = 0;
+  for (int s = 1; s <= 200; ++s) differ += other.at(s, 0) != r1.at(s, 0);
+  EXPECT_GT(differ, 0) << "the seed matters";
+}
+
+TEST(FaultPlan, BadSpecsAreConfigErrorsNamingTheKey) {
+  auto msg = [](std::vector<Override> ov) {
+    try {
+      load_config("", "test", ov);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(msg({{"fault.inject", "nan_grd@3:0"}}).find("did you mean \"nan_grad\""),
+            std::string::npos);
+  EXPECT_NE(msg({{"fault.inject", "nan_grad@x:0"}}).find("expected KIND@STEP:RANK"),
+            std::string::npos);
+  EXPECT_NE(msg({{"fault.inject", "@3:0"}}).find("'fault.inject'"), std::string::npos);
+  EXPECT_NE(msg({{"fault.inject", "nan_grad@0:0"}}).find("STEP >= 1"), std::string::npos);
+  EXPECT_NE(msg({{"fault.poison_ids", "4, -2"}}).find("'fault.poison_ids'"), std::string::npos);
+  EXPECT_NE(msg({{"skip.min_history", "200"}}).find("skip.window = 128"), std::string::npos);
+  FaultConfig f;
+  f.inject = "nan_grad@3:4";
+  try {
+    FaultPlan plan(f, 4);
+    FAIL() << "rank 4 of 4 accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("use a rank below 4"), std::string::npos) << e.what();
+  }
+}
+
+TEST(SkipConfig, CommandLineOverridesTheFile) {
+  Config c = load_config("[skip]\nenabled = true\nmax_grad_norm = 5.0\nwindow = 64\n", "file.toml",
+                         {{"skip.max_grad_norm", "2"}, {"lr_scheduler.on_skip", "hold"}});
+  EXPECT_TRUE(c.skip.enabled);
+  EXPECT_EQ(c.skip.max_grad_norm, 2.0);
+  EXPECT_EQ(c.skip.window, 64);
+  EXPECT_EQ(c.lr_scheduler.on_skip, "hold");
+  EXPECT_FALSE(load_config("", "x").skip.enabled) << "skipping is opt-in";
+}
+
+TEST(Quarantine, ExcludedSamplesAreNeverDrawnAndRanksStayDisjoint) {
+  auto src = make_synthetic_source(1 << 16);
+  const int W = 3;
+  std::vector<Sampler> samplers;
+  for (int r = 0; r < W; ++r) samplers.emplace_back(*src, SamplerOptions{32, 4, r, W, 11});
+  std::vector<int64_t> excluded;
+  for (int i = 0; i < 40; ++i) excluded.push_back(samplers[0].sample_at(i * 3));
+  for (auto& s : samplers) s.set_excluded(excluded, "q.txt");
+  for (int step = 0; step < 50; ++step) {
+    std::vector<int64_t> seen;
+    for (auto& s : samplers)
+      for (int64_t id : s.next_ids()) {
+        EXPECT_EQ(std::count(excluded.begin(), excluded.end(), id), 0) << id;
+        seen.push_back(id);
+      }
+    std::sort(seen.begin(), seen.end());
+    EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end()) << "step " << step;
+    EXPECT_EQ(samplers[0].position(), samplers[2].position());
+  }
+  Sampler s(*src, SamplerOptions{32, 4, 0, 1, 11});
+  EXPECT_THROW(s.set_excluded({s.num_samples()}, "q.txt"), InputError);
+}
+
+TEST(Quarantine, IdFileReadsCommentsAndRejectsGarbage) {
+  test::TempDir dir;
+  test::write_bytes(dir / "q.txt", "# header\n12\n  7  # why\n\n3\n");
+  EXPECT_EQ(read_id_file(dir / "q.txt"), (std::vector<int64_t>{12, 7, 3}));
+  test::write_bytes(dir / "bad.txt", "12\nseven\n");
+  try {
+    read_id_file(dir / "bad.txt");
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.txt' line 2"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(read_id_file(dir / "missing.txt"), InputError);
+}

@@ -1,0 +1,314 @@
+// Skipping in real training runs: the semantics of a skip byte for byte, guards, resume in the
+// middle of a detector window, agreement of 3 and 4 ranks under random faults, diag and report.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "fault.h"
+#include "lockstep/config.h"
+#include "lockstep/data.h"
+#include "lockstep/error.h"
+#include "lockstep/train.h"
+#include "test_util.h"
+
+using namespace lockstep;
+using json = nlohmann::json;
+using test::read_jsonl;
+using test::read_text;
+
+namespace {
+
+std::vector<Override> tiny(const std::string& dir, int steps) {
+  return {{"job.dump_folder", dir},        {"model.dim", "32"},
+          {"model.n_layers", "1"},         {"model.n_heads", "2"},
+          {"model.max_seq_len", "32"},     {"training.seq_len", "32"},
+          {"training.local_batch_size", "4"}, {"training.steps", std::to_string(steps)},
+          {"training.threads", "1"},       {"lr_scheduler.warmup_steps", "3"},
+          {"checkpoint.keep_latest_k", "0"}, {"metrics.log_freq", "1"},
+          {"data.synthetic_tokens", "65536"}, {"skip.enabled", "true"}};
+}
+
+Config job(const std::string& dir, int steps, std::vector<Override> extra = {}) {
+  auto ov = tiny(dir, steps);
+  ov.insert(ov.end(), extra.begin(), extra.end());
+  return load_config("", "test", ov);
+}
+
+json meta(const std::string& step_dir) { return json::parse(read_text(step_dir + "/meta.json")); }
+
+// (step, decision, reasons, culprits) of every event in a rank's diagnostics: what must agree.
+std::vector<std::string> decisions(const std::string& run_dir, int rank) {
+  std::vector<std::string> out;
+  for (const auto& e : read_jsonl(run_dir + "/diagnostics/rank" + std::to_string(rank) + ".jsonl"))
+    out.push_back(e["step"].dump() + " " + e["decision"].get<std::string>() + " " +
+                  e["reasons"].dump() + " " + e["culprit_ranks"].dump());
+  return out;
+}
+
+}  // namespace
+
+TEST(SkipRun, ASkipLeavesWeightsAndOptimizerStateBitwiseUntouched) {
+  for (const std::string on_skip : {"advance", "hold"}) {
+    SCOPED_TRACE(on_skip);
+    test::TempDir dir;
+    TrainResult r = train(job(dir.path(), 9,
+                              {{"checkpoint.interval", "1"},
+                               {"fault.inject", "nan_grad@6:0"},
+                               {"lr_scheduler.on_skip", on_skip}}));
+    EXPECT_EQ(r.skipped_steps, 1);
+    EXPECT_EQ(r.optimizer_steps, 8);
+    const std::string before = dir / "checkpoint/step-5", after = dir / "checkpoint/step-6";
+    // Parameters, moments and Adam step counts: the same bytes.
+    EXPECT_EQ(read_text(before + "/model.safetensors"), read_text(after + "/model.safetensors"));
+    EXPECT_EQ(read_text(before + "/optimizer.safetensors"),
+              read_text(after + "/optimizer.safetensors"));
+    const json m5 = meta(before), m6 = meta(after);
+    EXPECT_EQ(m6["step"], 6);
+    EXPECT_EQ(m6["optimizer_steps"], 5);
+    EXPECT_EQ(m6["skipped_steps"], 1);
+    EXPECT_EQ(m6["detector"]["consecutive_skips"], 1);
+    EXPECT_EQ(m6["detector"]["grad_norms"], m5["detector"]["grad_norms"]) << "outlier kept out";
+    EXPECT_EQ(m6["data_position"].get<int64_t>(), m5["data_position"].get<int64_t>() + 4)
+        << "the data moves on past the skipped batch";
+    // The next steps update again: the skipped gradient was zeroed, not carried over.
+    const json m7 = meta(dir / "checkpoint/step-7");
+    EXPECT_EQ(m7["optimizer_steps"], 6);
+    EXPECT_EQ(m7["detector"]["consecutive_skips"], 0);
+    EXPECT_NE(read_text(dir / "checkpoint/step-7/model.safetensors"),
+              read_text(after + "/model.safetensors"));
+    // LR: advance moves on with the step count; hold repeats the skipped step's lr.
+    auto metrics = read_jsonl(dir / "metrics.jsonl");
+    ASSERT_EQ(metrics.size(), 9u);
+    EXPECT_EQ(metrics[5]["decision"], "skip");
+    EXPECT_EQ(metrics[5]["skipped_steps"], 1);
+    EXPECT_EQ(metrics[5]["consecutive_skips"], 1);
+    EXPECT_EQ(metrics[6]["consecutive_skips"], 0);
+    if (on_skip == "hold")
+      EXPECT_EQ(metrics[6]["lr"], metrics[5]["lr"]);
+    else
+      EXPECT_NE(metrics[6]["lr"], metrics[5]["lr"]);
+    // The event names the fault's rank, the parameters and the batch.
+    auto events = read_jsonl(dir / "diagnostics/rank0.jsonl");
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_EQ(events[0]["step"], 6);
+    EXPECT_EQ(events[0]["reasons"], json::array({"nonfinite_grad"}));
+    EXPECT_EQ(events[0]["culprit_ranks"], json::array({0}));
+    EXPECT_EQ(events[0]["local"]["sample_ids"].size(), 4u);
+    EXPECT_GT(events[0]["local"]["top_params"][0]["nonfinite"].get<int64_t>(), 0);
+  }
+}
+
+TEST(SkipRun, NonfiniteWithSkippingOffAbortsWithCheckpointAndDiagnostics) {
+  test::TempDir dir;
+  try {
+    train(job(dir.path(), 12,
+              {{"skip.enabled", "false"}, {"fault.inject", "nan_loss@4:0"}}));
+    FAIL() << "a NaN loss did not stop the run";
+  } catch (const TrainingAborted& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(std::count(msg.begin(), msg.end(), '\n'), 0) << msg;
+    EXPECT_NE(msg.find("step 4: aborted on nonfinite_grad, nonfinite_loss"), std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("culprit rank 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("checkpoint/step-3"), std::string::npos) << msg;
+  }
+  const json m = meta(dir / "checkpoint/step-3");
+  EXPECT_EQ(m["optimizer_steps"], 3);
+  auto events = read_jsonl(dir / "diagnostics/rank0.jsonl");
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0]["decision"], "abort");
+  // The culprit sample is the one whose own loss is NaN.
+  ASSERT_EQ(events[0]["suspect_sample_ids"].size(), 1u);
+  EXPECT_EQ(events[0]["suspect_sample_ids"][0], events[0]["local"]["sample_ids"][0]);
+}
+
+TEST(SkipRun, ConsecutiveGuardAbortsAndKeepsTheLastGoodState) {
+  test::TempDir dir;
+  try {
+    train(job(dir.path(), 12,
+              {{"skip.max_consecutive", "2"},
+               {"checkpoint.interval", "100"},
+               {"fault.inject", "inf_grad@5:0, nan_grad@6:0, nan_loss@7:0"}}));
+    FAIL() << "the guard did not trip";
+  } catch (const TrainingAborted& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("step 7: aborted"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("last good state saved"), std::string::npos) << msg;
+  }
+  const json m = meta(dir / "checkpoint/step-6");
+  EXPECT_EQ(m["skipped_steps"], 2);
+  EXPECT_EQ(m["optimizer_steps"], 4);
+  auto events = read_jsonl(dir / "diagnostics/rank0.jsonl");
+  ASSERT_EQ(events.size(), 3u);
+  EXPECT_EQ(events[2]["decision"], "abort");
+  // A resume from that checkpoint is protected from its first step: the same guard trips.
+  EXPECT_THROW(train(job(dir.path(), 12,
+                         {{"skip.max_consecutive", "2"},
+                          {"fault.inject", "inf_grad@5:0, nan_grad@6:0, nan_loss@7:0"}})),
+               TrainingAborted);
+}
+
+TEST(SkipRun, ResumeInTheMiddleOfTheWindowReproducesDecisionsAndWeights) {
+  test::TempDir dir;
+  const std::vector<Override> policy = {{"skip.window", "16"},
+                                        {"skip.min_history", "6"},
+                                        {"checkpoint.interval", "10"},
+                                        {"fault.inject", "spike@13:0, nan_grad@17:0, spike@24:0"},
+                                        {"fault.spike_factor", "50"}};
+  auto with = [&](std::vector<Override> ov, std::vector<Override> more) {
+    ov.insert(ov.end(), more.begin(), more.end());
+    return ov;
+  };
+  train(job(dir / "full", 30, policy));
+  // The second run starts from the first one's step-10 checkpoint: the window holds 10 values.
+  std::filesystem::create_directories(dir / "resumed/checkpoint");
+  std::filesystem::copy(dir / "full/checkpoint/step-10", dir / "resumed/checkpoint/step-10",
+                        std::filesystem::copy_options::recursive);
+  TrainResult r = train(job(dir / "resumed", 30, with(policy, {{"checkpoint.load_step", "10"}})));
+  EXPECT_EQ(r.start_step, 10);
+  EXPECT_EQ(decisions(dir / "resumed", 0), decisions(dir / "full", 0));
+  EXPECT_EQ(decisions(dir / "full", 0).size(), 3u) << "two spikes and a NaN, nothing else";
+  EXPECT_EQ(read_text(dir / "resumed/checkpoint/step-30/model.safetensors"),
+            read_text(dir / "full/checkpoint/step-30/model.safetensors"));
+  EXPECT_EQ(read_text(dir / "resumed/checkpoint/step-30/optimizer.safetensors"),
+            read_text(dir / "full/checkpoint/step-30/optimizer.safetensors"));
+  EXPECT_EQ(meta(dir / "resumed/checkpoint/step-30")["detector"],
+            meta(dir / "full/checkpoint/step-30")["detector"]);
+}
+
+TEST(SkipRun, PoisonedSampleIsNamedAndAQuarantinedResumeNeverDrawsIt) {
+  test::TempDir dir;
+  // Find a sample drawn early: the first id of step 3 in a clean run.
+  train(job(dir / "clean", 3, {{"checkpoint.enable", "false"}, {"skip.max_grad_norm", "1e-9"}}));
+  auto ev = read_jsonl(dir / "clean/diagnostics/rank0.jsonl");
+  ASSERT_EQ(ev.size(), 3u);  // every step skipped by the tiny threshold: all batches recorded
+  const int64_t poison = ev[2]["local"]["sample_ids"][1];
+  train(job(dir / "run", 6,
+            {{"checkpoint.enable", "false"}, {"fault.poison_ids", std::to_string(poison)}}));
+  auto events = read_jsonl(dir / "run/diagnostics/rank0.jsonl");
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0]["step"], 3);
+  EXPECT_EQ(events[0]["reasons"], json::array({"nonfinite_grad", "nonfinite_loss"}));
+  EXPECT_EQ(events[0]["suspect_sample_ids"], json::array({poison}));
+  test::write_bytes(dir / "q.txt", "# quarantine\n" + std::to_string(poison) + "\n");
+  TrainResult r = train(job(dir / "excluded", 6,
+                            {{"checkpoint.enable", "false"},
+                             {"fault.poison_ids", std::to_string(poison)},
+                             {"data.exclude_ids_file", dir / "q.txt"}}));
+  EXPECT_EQ(r.skipped_steps, 0);
+}
+
+// ---- several ranks ------------------------------------------------------------------------
+
+namespace {
+
+// Runs `lockstep train` on `world` ranks under lockstep-run; returns the launcher's result.
+test::CliRun run_ranks(int world, const std::string& dir, int steps, const std::string& extra) {
+  static int port_offset = 0;
+  const int port = 24000 + static_cast<int>((::getpid() * 7 + port_offset++) % 20000);
+  std::string args;
+  for (const auto& [k, v] : tiny(dir, steps)) args += " --" + k + " '" + v + "'";
+  return test::capture(std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " +
+                       std::to_string(world) + " --master-port " + std::to_string(port) + " -- " +
+                       LOCKSTEP_BIN + " train" + args + " --checkpoint.enable false " + extra);
+}
+
+// Random faults on random ranks: every rank decides the same at every step, the skips are
+// exactly the faulty steps, and the weights end bitwise equal on all ranks.
+void expect_agreement(int world, int steps, uint64_t seed) {
+  test::TempDir dir;
+  const double p = 0.04;
+  const std::string kinds = "nan_grad, inf_grad, nan_loss";
+  auto r = run_ranks(world, dir.path(), steps,
+                     "--skip.grad_norm_zscore 0 --skip.loss_zscore 0 --skip.max_consecutive 0 "
+                     "--skip.max_fraction 0 --fault.random_p " + std::to_string(p) +
+                         " --fault.random_seed " + std::to_string(seed) +
+                         " --fault.random_kinds '" + kinds + "'");
+  ASSERT_EQ(r.code, 0) << r.out;
+
+  FaultConfig f;
+  f.random_p = p;
+  f.random_seed = static_cast<int64_t>(seed);
+  f.random_kinds = kinds;
+  FaultPlan plan(f, world);
+  std::vector<int64_t> expected_steps;
+  std::vector<std::set<int>> expected_culprits;
+  for (int s = 1; s <= steps; ++s) {
+    std::set<int> c;
+    for (int rank = 0; rank < world; ++rank)
+      if (!plan.at(s, rank).empty()) c.insert(rank);
+    if (!c.empty()) {
+      expected_steps.push_back(s);
+      expected_culprits.push_back(c);
+    }
+  }
+  ASSERT_GE(expected_steps.size(), 3u) << "the seed gives too few faults to test anything";
+
+  const auto rank0 = decisions(dir.path(), 0);
+  for (int rank = 1; rank < world; ++rank)
+    EXPECT_EQ(decisions(dir.path(), rank), rank0) << "rank " << rank << " decided differently";
+  auto events = read_jsonl(dir / "diagnostics/rank0.jsonl");
+  ASSERT_EQ(events.size(), expected_steps.size());
+  for (size_t i = 0; i < events.size(); ++i) {
+    EXPECT_EQ(events[i]["step"], expected_steps[i]);
+    EXPECT_EQ(events[i]["decision"], "skip");
+    const auto culprits = events[i]["culprit_ranks"].get<std::vector<int>>();
+    EXPECT_EQ(std::set<int>(culprits.begin(), culprits.end()), expected_culprits[i])
+        << "step " << expected_steps[i];
+  }
+  auto metrics = read_jsonl(dir / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), static_cast<size_t>(steps));
+  EXPECT_EQ(metrics.back()["skipped_steps"], expected_steps.size());
+  EXPECT_EQ(metrics.back()["optimizer_steps"], steps - static_cast<int>(expected_steps.size()));
+  const auto crcs = test::outcome(dir.path(), world).crcs;
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_EQ(crcs[rank].size(), 8u) << "rank " << rank;
+    EXPECT_EQ(crcs[rank], crcs[0]) << "rank " << rank << " holds other weights";
+  }
+}
+
+}  // namespace
+
+TEST(SkipAgreement, FourRanksRandomFaultsOnRandomRanks) { expect_agreement(4, 200, 3); }
+
+TEST(SkipAgreement, ThreeRanksOddWorldSize) { expect_agreement(3, 120, 5); }
+
+TEST(SkipDiag, DiagNamesTheCulpritRankAndSamplesAndReportDrawsThePicture) {
+  test::TempDir dir;
+  auto r = run_ranks(2, dir.path(), 30, "--fault.inject nan_grad@12:1 --metrics.log_freq 5");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("step 12: SKIP (nonfinite_grad)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("culprit rank 1"), std::string::npos) << r.out;
+
+  auto d = test::capture(std::string(LOCKSTEP_BIN) + " diag " + dir.path());
+  ASSERT_EQ(d.code, 0) << d.out;
+  EXPECT_NE(d.out.find("1 skipped, 0 aborted"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("culprit rank 1"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("injected fault: nan_grad"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("rank 1: culprit in 1 event(s) (nonfinite_grad 1)"), std::string::npos)
+      << d.out;
+  // The quarantine holds rank 1's batch of step 12.
+  auto events = read_jsonl(dir / "diagnostics/rank1.jsonl");
+  ASSERT_EQ(events.size(), 1u);
+  std::set<int64_t> quarantined;
+  for (int64_t id : read_id_file(dir / "quarantine.txt")) quarantined.insert(id);
+  EXPECT_EQ(quarantined.size(), 4u);
+  for (const auto& id : events[0]["local"]["sample_ids"])
+    EXPECT_EQ(quarantined.count(id.get<int64_t>()), 1u) << id;
+
+  auto j = test::capture(std::string(LOCKSTEP_BIN) + " diag --json " + dir.path());
+  ASSERT_EQ(j.code, 0) << j.out;
+  EXPECT_EQ(json::parse(j.out)["events"][0]["culprit_ranks"], json::array({1}));
+  EXPECT_EQ(test::capture(std::string(LOCKSTEP_BIN) + " diag " + dir / "nowhere").code, 3);
+
+  auto rep = test::capture(std::string(LOCKSTEP_BIN) + " report " + dir.path());
+  ASSERT_EQ(rep.code, 0) << rep.out;
+  const std::string png = read_text(dir / "report.png");
+  ASSERT_GT(png.size(), 10000u);
+  EXPECT_EQ(png.substr(1, 3), "PNG");
+}
