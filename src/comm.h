@@ -36,6 +36,10 @@ class Comm {
 // the torchrun agent does), under ranks.store_prefix().
 std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& options);
 
+// MPI collectives over MPI_COMM_WORLD (OpenMPI; builds with LOCKSTEP_MPI only). Initialises MPI
+// if needed; throws ConfigError when MPI's rank and size disagree with `ranks`.
+std::unique_ptr<Comm> make_mpi_comm(const RankInfo& ranks, const CommOptions& options);
+
 // The same over a c10d FileStore at `path` (tests: N ranks as N threads in one process).
 std::unique_ptr<Comm> make_comm_file_store(const std::string& path, int rank, int size,
                                            const CommOptions& options);

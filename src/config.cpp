@@ -202,8 +202,9 @@ const std::vector<Field>& fields() {
                              "quarantine file `lockstep diag` writes); \"\" = none"));
     // [parallelism]
     t.push_back(string_field("parallelism", "backend", &C::parallelism,
-                             &ParallelismConfig::backend, {"auto", "gloo"},
-                             "collectives between ranks: auto = gloo on CPUs"));
+                             &ParallelismConfig::backend, {"auto", "gloo", "mpi"},
+                             "collectives between ranks: auto = gloo on CPUs; mpi = OpenMPI "
+                             "(launch with mpirun)"));
     t.push_back(string_field("parallelism", "mode", &C::parallelism, &ParallelismConfig::mode,
                              {"ddp"}, "ddp: replicated parameters, gradients averaged by all-reduce"));
     // [comm]

@@ -187,8 +187,19 @@ TrainResult train(const Config& cfg) {
             lead ? log::Level::kInfo : log::Level::kWarn);
   std::unique_ptr<Comm> comm;
   if (ranks.world_size > 1) {
-    comm = make_comm(ranks, {"gloo", cfg.comm.init_timeout_seconds,
-                             cfg.comm.train_timeout_seconds});
+    const CommOptions copt{cfg.parallelism.backend == "mpi" ? "mpi" : "gloo",
+                           cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds};
+    if (copt.backend == "mpi") {
+#if LOCKSTEP_WITH_MPI
+      comm = make_mpi_comm(ranks, copt);
+#else
+      throw ConfigError(
+          "invalid value for 'parallelism.backend': \"mpi\" but this build has no MPI "
+          "(LOCKSTEP_MPI=OFF); install libopenmpi-dev and rebuild, or use \"gloo\"");
+#endif
+    } else {
+      comm = make_comm(ranks, copt);
+    }
     log::info("rank {} of {} ({}), {} collectives, rendezvous {}:{}", ranks.rank,
               ranks.world_size, ranks.launcher, comm->backend(), ranks.master_addr,
               ranks.master_port);
@@ -288,6 +299,7 @@ TrainResult train(const Config& cfg) {
   const auto run_start = Clock::now();
   auto interval_start = run_start;
   int64_t interval_steps = 0;
+  double interval_decision_s = 0;
 
   state.world_size = ranks.world_size;
   auto save = [&] {
@@ -343,6 +355,7 @@ TrainResult train(const Config& cfg) {
 
     // [A] this rank's own gradient, [B] after the sync the slice this rank checks, then the
     // one small collective: every rank holds every rank's 64-byte stats and decides alike.
+    const auto check_start = Clock::now();
     RankStats mine;
     GradCheckStats local;
     if (local_check) {
@@ -350,7 +363,9 @@ TrainResult train(const Config& cfg) {
       mine.local_nonfinite = local.nonfinite;
       mine.local_sumsq = local.sumsq;
     }
+    const auto sync_start = Clock::now();
     grads.average();  // one all-reduce of the flat gradient buffer
+    const auto sync_end = Clock::now();
     const GradCheckStats shard = GradCheck::read(check.run());
     mine.shard_nonfinite = shard.nonfinite;
     mine.shard_sumsq = shard.sumsq;
@@ -361,6 +376,9 @@ TrainResult train(const Config& cfg) {
     for (double l : step_losses) mine.bad_samples += !std::isfinite(l);
     const std::vector<RankStats> all_ranks = gather_stats(mine, comm.get());
     const Verdict verdict = detector.decide(all_ranks);
+    // The decision's own cost (checks, stats all-gather, decide), the gradient sync excluded.
+    interval_decision_s += std::chrono::duration<double>(sync_start - check_start).count() +
+                           std::chrono::duration<double>(Clock::now() - sync_end).count();
     const double loss = verdict.loss;
     const double grad_norm = verdict.grad_norm;
     if (verdict.overflow_runs > 0 && verdict.nonfinite == 0)
@@ -491,6 +509,8 @@ TrainResult train(const Config& cfg) {
                      {"lr", lr},
                      {"decision", decision_name(verdict.decision)},
                      {"ms_per_step", ms_per_step},
+                     {"decision_ms", 1e3 * interval_decision_s /
+                                         static_cast<double>(interval_steps)},
                      {"tokens_per_s", tok_s},
                      {"tokens_seen", state.tokens_seen},
                      {"optimizer_steps", state.optimizer_steps},
@@ -506,6 +526,7 @@ TrainResult train(const Config& cfg) {
                      {"elapsed_s", std::chrono::duration<double>(now - run_start).count()}});
       interval_start = now;
       interval_steps = 0;
+      interval_decision_s = 0;
     }
     if (state.step % cfg.checkpoint.interval == 0 || last) save();
   }

@@ -207,20 +207,40 @@ TEST(SkipRun, PoisonedSampleIsNamedAndAQuarantinedResumeNeverDrawsIt) {
 
 namespace {
 
-// Runs `lockstep train` on `world` ranks under lockstep-run; returns the launcher's result.
-test::CliRun run_ranks(int world, const std::string& dir, int steps, const std::string& extra) {
+enum class Launcher { kLockstepRun, kMpirunMpi, kMpirunGloo, kTorchrun };
+
+// Runs `lockstep train` on `world` ranks under `launcher`; returns the launcher's result.
+test::CliRun run_ranks(int world, const std::string& dir, int steps, const std::string& extra,
+                       Launcher launcher = Launcher::kLockstepRun) {
   static int port_offset = 0;
-  const int port = 24000 + static_cast<int>((::getpid() * 7 + port_offset++) % 20000);
+  const std::string port =
+      std::to_string(24000 + static_cast<int>((::getpid() * 7 + port_offset++) % 20000));
   std::string args;
   for (const auto& [k, v] : tiny(dir, steps)) args += " --" + k + " '" + v + "'";
-  return test::capture(std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " +
-                       std::to_string(world) + " --master-port " + std::to_string(port) + " -- " +
-                       LOCKSTEP_BIN + " train" + args + " --checkpoint.enable false " + extra);
+  args = std::string(LOCKSTEP_BIN) + " train" + args + " --checkpoint.enable false " + extra;
+  const std::string n = std::to_string(world);
+  switch (launcher) {
+    case Launcher::kLockstepRun:
+      return test::capture(std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " + n +
+                           " --master-port " + port + " -- " + args);
+    case Launcher::kMpirunMpi:
+    case Launcher::kMpirunGloo:
+      return test::capture(
+          "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
+          " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + port + " " +
+          args + " --parallelism.backend " +
+          (launcher == Launcher::kMpirunMpi ? "mpi" : "gloo"));
+    case Launcher::kTorchrun:
+      return test::capture(std::string(TORCHRUN) + " --no-python --nproc-per-node " + n +
+                           " --master-port " + port + " " + args);
+  }
+  return {1, "unknown launcher"};
 }
 
 // Random faults on random ranks: every rank decides the same at every step, the skips are
 // exactly the faulty steps, and the weights end bitwise equal on all ranks.
-void expect_agreement(int world, int steps, uint64_t seed) {
+void expect_agreement(int world, int steps, uint64_t seed,
+                      Launcher launcher = Launcher::kLockstepRun) {
   test::TempDir dir;
   const double p = 0.04;
   const std::string kinds = "nan_grad, inf_grad, nan_loss";
@@ -228,7 +248,8 @@ void expect_agreement(int world, int steps, uint64_t seed) {
                      "--skip.grad_norm_zscore 0 --skip.loss_zscore 0 --skip.max_consecutive 0 "
                      "--skip.max_fraction 0 --fault.random_p " + std::to_string(p) +
                          " --fault.random_seed " + std::to_string(seed) +
-                         " --fault.random_kinds '" + kinds + "'");
+                         " --fault.random_kinds '" + kinds + "'",
+                     launcher);
   ASSERT_EQ(r.code, 0) << r.out;
 
   FaultConfig f;
@@ -277,6 +298,47 @@ void expect_agreement(int world, int steps, uint64_t seed) {
 TEST(SkipAgreement, FourRanksRandomFaultsOnRandomRanks) { expect_agreement(4, 200, 3); }
 
 TEST(SkipAgreement, ThreeRanksOddWorldSize) { expect_agreement(3, 120, 5); }
+
+#if LOCKSTEP_WITH_MPI
+constexpr bool kMpi = true;
+#else
+constexpr bool kMpi = false;
+#endif
+
+TEST(SkipAgreement, FourRanksOverMpiUnderMpirun) {
+  if (!kMpi) GTEST_SKIP() << "built without MPI (LOCKSTEP_MPI=OFF)";
+  expect_agreement(4, 120, 9, Launcher::kMpirunMpi);
+}
+
+TEST(SkipAgreement, TwoRanksOverGlooUnderMpirun) {
+  expect_agreement(2, 100, 12, Launcher::kMpirunGloo);
+}
+
+TEST(SkipAgreement, TwoRanksUnderRealTorchrun) {
+  if (std::string(TORCHRUN).empty()) GTEST_SKIP() << "no torchrun found at configure time";
+  expect_agreement(2, 100, 4, Launcher::kTorchrun);
+}
+
+// The same job over MPI and over Gloo: the same losses and the same weights, bit for bit (a
+// two-rank sum is the same in either order).
+TEST(SkipAgreement, MpiAndGlooGiveTheSameWeights) {
+  if (!kMpi) GTEST_SKIP() << "built without MPI (LOCKSTEP_MPI=OFF)";
+  test::TempDir dir;
+  const std::string extra = "--fault.inject nan_grad@7:1 --skip.enabled true";
+  auto a = run_ranks(2, dir / "gloo", 20, extra);
+  ASSERT_EQ(a.code, 0) << a.out;
+  auto b = run_ranks(2, dir / "mpi", 20, extra, Launcher::kMpirunMpi);
+  ASSERT_EQ(b.code, 0) << b.out;
+  const auto ga = test::outcome(dir / "gloo", 2), mb = test::outcome(dir / "mpi", 2);
+  EXPECT_EQ(ga.crcs[0], mb.crcs[0]);
+  EXPECT_EQ(mb.crcs[0], mb.crcs[1]);
+  ASSERT_EQ(ga.losses.size(), mb.losses.size());
+  for (size_t i = 0; i < ga.losses.size(); ++i)
+    if (std::isfinite(ga.losses[i])) {
+      EXPECT_EQ(ga.losses[i], mb.losses[i]) << "step " << i + 1;
+    }
+  EXPECT_NE(b.out.find("mpi collectives"), std::string::npos) << b.out;
+}
 
 TEST(SkipDiag, DiagNamesTheCulpritRankAndSamplesAndReportDrawsThePicture) {
   test::TempDir dir;

@@ -77,7 +77,7 @@ struct DataConfig {
 };
 
 struct ParallelismConfig {
-  std::string backend = "auto";  // auto | gloo (auto: gloo on CPUs)
+  std::string backend = "auto";  // auto | gloo | mpi (auto: gloo on CPUs)
   std::string mode = "ddp";      // ddp: replicated parameters, averaged gradients
 };
 
