@@ -244,13 +244,18 @@ const std::vector<Field>& fields() {
                            &DiagnosticsConfig::local_check,
                            "check each rank's own gradient before the sync, to name the culprit "
                            "rank and parameters"));
+    t.push_back(int_field("diagnostics", "verify_every", &C::diagnostics,
+                          &DiagnosticsConfig::verify_every, 0, kMaxInt,
+                          "every this many steps all ranks compare CRC32s of their parameters "
+                          "and optimizer state; a mismatch aborts naming the ranks; 0 = off"));
     t.push_back(int_field("diagnostics", "top_params", &C::diagnostics,
                           &DiagnosticsConfig::top_params, 0, 1 << 20,
                           "parameters named per skip or abort event"));
     // [fault]
     t.push_back(string_field("fault", "inject", &C::fault, &FaultConfig::inject, {},
                              "faults at given steps: \"KIND@STEP:RANK, ...\", KIND one of "
-                             "nan_grad, inf_grad, nan_loss, spike (tests and demos)"));
+                             "nan_grad, inf_grad, nan_loss, spike, crash (SIGKILL on the first "
+                             "attempt), desync (perturb this rank's weights) (tests and demos)"));
     t.push_back(float_field("fault", "spike_factor", &C::fault, &FaultConfig::spike_factor, 0,
                             true, kInf, "a spike multiplies the loss and its gradient by this"));
     t.push_back(string_field("fault", "poison_ids", &C::fault, &FaultConfig::poison_ids, {},
@@ -520,7 +525,8 @@ bool parse_int(std::string_view s, int64_t& out) {
 }  // namespace
 
 const std::vector<std::string>& fault_kinds() {
-  static const std::vector<std::string> kinds = {"nan_grad", "inf_grad", "nan_loss", "spike"};
+  static const std::vector<std::string> kinds = {"nan_grad", "inf_grad", "nan_loss", "spike",
+                                                 "crash", "desync"};
   return kinds;
 }
 
@@ -531,7 +537,7 @@ std::vector<std::string> parse_fault_kinds(const std::string& text, const std::s
       std::string hint = nearest(k, fault_kinds());
       throw ConfigError(fmt::format(
           "invalid value for '{}': unknown fault kind \"{}\"{}; expected nan_grad, inf_grad, "
-          "nan_loss or spike",
+          "nan_loss, spike, crash or desync",
           key, k, hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
     }
     out.push_back(k);

@@ -58,19 +58,19 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks) const {
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
   Verdict v;
   // Reduce in rank order: every rank adds the same numbers in the same order.
-  double sumsq = 0, loss_sum = 0, tokens = 0;
+  double sumsq = 0, loss_sum = 0;
   bool loss_nonfinite = false, have_local = false;
   for (const RankStats& r : ranks) {
     v.nonfinite += r.shard_nonfinite;
     sumsq += r.shard_sumsq;
     v.overflow_runs += r.overflow_runs;
-    loss_sum += r.loss * r.tokens;
-    tokens += r.tokens;
+    loss_sum += r.loss;
+    v.stop = v.stop || r.stop_requested != 0;
     loss_nonfinite = loss_nonfinite || !std::isfinite(r.loss);
     have_local = have_local || r.local_sumsq > 0 || r.local_nonfinite > 0;
   }
   v.grad_norm = std::sqrt(sumsq);
-  v.loss = tokens > 0 ? loss_sum / tokens : kNaN;
+  v.loss = ranks.empty() ? kNaN : loss_sum / static_cast<double>(ranks.size());
   if (v.nonfinite > 0) v.grad_norm = kNaN;  // never report a partial norm as the norm
 
   const bool zscores = history() >= cfg_.min_history;

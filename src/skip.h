@@ -22,8 +22,8 @@ struct RankStats {
   double shard_sumsq = 0;      // [B] sum of squares of that shard
   double local_nonfinite = 0;  // [A] nonfinite elements in this rank's own gradient, pre-sync
   double local_sumsq = 0;      // [A] its sum of squares (0 when diagnostics.local_check is off)
-  double loss = 0;             // this rank's loss (mean over its tokens)
-  double tokens = 0;           // tokens behind that loss
+  double loss = 0;             // this rank's loss (mean over its tokens; all ranks hold as many)
+  double stop_requested = 0;   // 1: this rank got SIGTERM or SIGINT and asks all to stop
   double overflow_runs = 0;    // [B] runs whose fp32 sum of squares overflowed (summed in fp64)
   double bad_samples = 0;      // samples of this rank's batch whose loss is nonfinite
 };
@@ -40,7 +40,8 @@ struct Verdict {
   std::string guard;                 // set when a guard turned a skip into an abort
   double grad_norm = 0;              // global, before clipping
   double nonfinite = 0;              // global nonfinite gradient elements
-  double loss = 0;                   // global (token-weighted mean over ranks)
+  double loss = 0;                   // global (mean over ranks)
+  bool stop = false;                 // some rank asks to stop after this step (a signal)
   double overflow_runs = 0;
   double grad_norm_z = 0, loss_z = 0;  // NaN while the window is too short or the test is off
   std::vector<int> culprit_ranks;      // ranks whose own data caused it, as far as knowable

@@ -11,7 +11,10 @@
 #include <ATen/ops/zeros_like.h>
 #include <fmt/format.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
+#include <map>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -49,6 +52,71 @@ c10::Device resolve_device(const std::string& name) {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// SIGTERM / SIGINT ask for a clean stop: the ranks agree on it at the next step (the flag rides
+// in the stats all-gather), save a checkpoint and exit 128 + signal. A second signal kills.
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal.store(0);
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART | SA_RESETHAND;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGTERM, &sa, &old_term_);
+    ::sigaction(SIGINT, &sa, &old_int_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+    ::sigaction(SIGINT, &old_int_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction old_term_ {}, old_int_ {};
+};
+
+// The first rank not in `bad` (there is one: the majority).
+size_t agreeing_rank(const std::vector<int>& bad) {
+  size_t r = 0;
+  while (std::find(bad.begin(), bad.end(), static_cast<int>(r)) != bad.end()) ++r;
+  return r;
+}
+
+// CRC32s of this rank's parameters and optimizer state, all-gathered: the ranks that differ
+// from the majority (empty when all agree). `crcs` gets every rank's pair.
+std::vector<int> diverging_ranks(const std::vector<NamedTensor>& params,
+                                 const std::vector<NamedTensor>& opt_state, Comm* comm,
+                                 std::vector<std::pair<std::string, std::string>>& crcs) {
+  const std::string p = tensors_crc32(params), o = tensors_crc32(opt_state);
+  at::Tensor in = at::empty({2}, at::kDouble);
+  in.data_ptr<double>()[0] = static_cast<double>(std::stoul(p, nullptr, 16));
+  in.data_ptr<double>()[1] = static_cast<double>(std::stoul(o, nullptr, 16));
+  const int w = comm->size();
+  at::Tensor out = at::empty({w, 2}, at::kDouble);
+  comm->all_gather(in, out);
+  std::map<std::pair<double, double>, int> votes;
+  std::vector<std::pair<double, double>> all;
+  for (int r = 0; r < w; ++r) {
+    const double* q = out.select(0, r).data_ptr<double>();
+    all.emplace_back(q[0], q[1]);
+    votes[all.back()] += 1;
+    crcs.emplace_back(fmt::format("{:08x}", static_cast<uint32_t>(q[0])),
+                      fmt::format("{:08x}", static_cast<uint32_t>(q[1])));
+  }
+  auto majority = votes.begin();
+  for (auto it = votes.begin(); it != votes.end(); ++it)
+    if (it->second > majority->second) majority = it;  // ties: the smaller CRC pair, everywhere
+  std::vector<int> out_ranks;
+  for (int r = 0; r < w; ++r)
+    if (all[r] != majority->first) out_ranks.push_back(r);
+  return out_ranks;
+}
 
 std::string format_eta(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
@@ -313,10 +381,16 @@ TrainResult train(const Config& cfg) {
 
   const double kNaN = std::numeric_limits<double>::quiet_NaN();
   const bool hold_lr = cfg.lr_scheduler.on_skip == "hold";
+  StopSignals stop_signals;
   while (state.step < tc.steps) {
     const int64_t step_no = state.step + 1;  // 1-based, as logged
     const double lr = lr_at(schedule, hold_lr ? state.optimizer_steps : state.step);
     const std::string fault = faults.at(step_no, ranks.rank);
+    if (fault == "crash" && ranks.restart_count == 0) {  // a machine failure, for restart tests
+      log::warn("step {}: fault injection: rank {} kills itself (SIGKILL)", step_no, ranks.rank);
+      log::flush();
+      std::raise(SIGKILL);
+    }
 
     // Forward and backward over the micro-batches; gradients accumulate in .grad. Faults act
     // where bad data would: on the per-sample losses and on the loss back-propagated.
@@ -371,8 +445,7 @@ TrainResult train(const Config& cfg) {
     mine.shard_sumsq = shard.sumsq;
     mine.overflow_runs = shard.overflow_runs;
     mine.loss = loss_sum / static_cast<double>(tc.gradient_accumulation_steps);
-    mine.tokens = static_cast<double>(tc.local_batch_size * tc.seq_len *
-                                      tc.gradient_accumulation_steps);
+    mine.stop_requested = g_stop_signal.load() != 0 ? 1.0 : 0.0;
     for (double l : step_losses) mine.bad_samples += !std::isfinite(l);
     const std::vector<RankStats> all_ranks = gather_stats(mine, comm.get());
     const Verdict verdict = detector.decide(all_ranks);
@@ -481,6 +554,10 @@ TrainResult train(const Config& cfg) {
     optimizer.step(lr, grad_scale, found_inf);
     optimizer.zero_grad();
     detector.record(verdict);
+    if (fault == "desync") {  // a silent divergence, for the verify_every tests
+      at::Tensor w = model.parameters()[0].tensor.detach();
+      w.view({-1}).narrow(0, 0, 1).add_(1e-3);
+    }
 
     state.step += 1;
     state.optimizer_steps += skipped ? 0 : 1;
@@ -528,7 +605,51 @@ TrainResult train(const Config& cfg) {
       interval_steps = 0;
       interval_decision_s = 0;
     }
-    if (state.step % cfg.checkpoint.interval == 0 || last) save();
+    const bool verify = comm && cfg.diagnostics.verify_every > 0 &&
+                        (state.step % cfg.diagnostics.verify_every == 0 || last);
+    if (verify) {
+      std::vector<std::pair<std::string, std::string>> crcs;
+      const auto bad = diverging_ranks(model.parameters(), optimizer.state(), comm.get(), crcs);
+      if (!bad.empty()) {
+        nlohmann::json table = nlohmann::json::array();
+        for (size_t r = 0; r < crcs.size(); ++r)
+          table.push_back({{"rank", r}, {"params_crc32", crcs[r].first},
+                           {"optimizer_crc32", crcs[r].second}});
+        events.write({{"step", state.step},
+                      {"decision", "abort"},
+                      {"reasons", {"desync"}},
+                      {"guard", "diagnostics.verify_every"},
+                      {"global", nlohmann::json::object()},
+                      {"rank", ranks.rank},
+                      {"local", {{"fault", fault}}},
+                      {"ranks", table},
+                      {"culprit_ranks", bad},
+                      {"suspect_sample_ids", nlohmann::json::array()}});
+        log::flush();
+        throw TrainingAborted(fmt::format(
+            "step {}: desync: rank(s) {} hold other parameters or optimizer state than the "
+            "majority (params crc32 {} vs {}); the ranks no longer train one model, so the job "
+            "stops without saving; resume from the last checkpoint (written by rank 0 before "
+            "the divergence was seen) and look for nondeterminism or memory errors on those "
+            "ranks",
+            state.step, fmt::join(bad, ", "), crcs[bad[0]].first, crcs[agreeing_rank(bad)].first));
+      }
+    }
+    const bool saved = cfg.checkpoint.enable && (state.step % cfg.checkpoint.interval == 0 || last);
+    if (saved) save();
+    if (verdict.stop && !last) {
+      // Every rank saw the same request in the same all-gather: all stop after this step.
+      if (cfg.checkpoint.enable && !saved) save();
+      const int sig = g_stop_signal.load() ? g_stop_signal.load() : SIGTERM;
+      log::flush();
+      throw Error(static_cast<ExitCode>(128 + sig),
+                  fmt::format("stopped by {} after step {} of {}{}; run the same command again to "
+                              "resume",
+                              sig == SIGINT ? "SIGINT" : "SIGTERM", state.step, tc.steps,
+                              cfg.checkpoint.enable
+                                  ? "; checkpoint saved in " + ckpt.dir_of(state.step)
+                                  : " (checkpoint.enable = false: nothing saved)"));
+    }
   }
 
   const double total = std::chrono::duration<double>(Clock::now() - run_start).count();

@@ -103,11 +103,13 @@ struct SkipConfig {
 struct DiagnosticsConfig {
   bool local_check = true;  // check each rank's own gradient before the sync (attribution)
   int64_t top_params = 5;   // parameters named per event
+  int64_t verify_every = 0; // cross-rank CRC32 of parameters and optimizer state; 0 = off
 };
 
 // Fault injection for tests and demos, applied where bad data acts: the batch and the loss.
 struct FaultConfig {
-  std::string inject = "";        // "KIND@STEP:RANK, ...": nan_grad, inf_grad, nan_loss, spike
+  std::string inject = "";        // "KIND@STEP:RANK, ...": nan_grad, inf_grad, nan_loss, spike,
+                                  // crash, desync
   double spike_factor = 1000;     // a spike multiplies the loss (and so the gradient) by this
   std::string poison_ids = "";    // "ID, ID, ...": a sample whose loss is NaN whenever drawn
   double random_p = 0;            // chance per (step, rank) of a random fault
