@@ -210,13 +210,17 @@ std::optional<int64_t> parse_step_dir(const std::string& name) {
 
 }  // namespace
 
-std::string tensors_crc32(const std::vector<NamedTensor>& tensors) {
+uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors) {
   uint32_t crc = 0;
   for (const auto& t : tensors) {
     at::Tensor c = t.tensor.detach().to(at::kCPU).contiguous();
     crc = crc32_fast(c.const_data_ptr(), c.nbytes(), crc);
   }
-  return fmt::format("{:08x}", crc);
+  return crc;
+}
+
+std::string tensors_crc32(const std::vector<NamedTensor>& tensors) {
+  return fmt::format("{:08x}", tensors_crc32_value(tensors));
 }
 
 Checkpointer::Checkpointer(CheckpointOptions options) : opt_(std::move(options)) {}

@@ -33,6 +33,7 @@ struct CheckpointOptions {
 
 // CRC32 over the bytes of all the tensors, in order ("%08x"): a cheap cross-rank fingerprint.
 std::string tensors_crc32(const std::vector<NamedTensor>& tensors);
+uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors);  // the same, as a number
 
 class Checkpointer {
  public:

@@ -13,11 +13,11 @@
 
 #include <atomic>
 #include <chrono>
-#include <csignal>
-#include <map>
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -93,10 +93,9 @@ size_t agreeing_rank(const std::vector<int>& bad) {
 std::vector<int> diverging_ranks(const std::vector<NamedTensor>& params,
                                  const std::vector<NamedTensor>& opt_state, Comm* comm,
                                  std::vector<std::pair<std::string, std::string>>& crcs) {
-  const std::string p = tensors_crc32(params), o = tensors_crc32(opt_state);
-  at::Tensor in = at::empty({2}, at::kDouble);
-  in.data_ptr<double>()[0] = static_cast<double>(std::stoul(p, nullptr, 16));
-  in.data_ptr<double>()[1] = static_cast<double>(std::stoul(o, nullptr, 16));
+  at::Tensor in = at::empty({2}, at::kDouble);  // a CRC32 is exact in a double
+  in.data_ptr<double>()[0] = static_cast<double>(tensors_crc32_value(params));
+  in.data_ptr<double>()[1] = static_cast<double>(tensors_crc32_value(opt_state));
   const int w = comm->size();
   at::Tensor out = at::empty({w, 2}, at::kDouble);
   comm->all_gather(in, out);
@@ -382,6 +381,7 @@ TrainResult train(const Config& cfg) {
   const double kNaN = std::numeric_limits<double>::quiet_NaN();
   const bool hold_lr = cfg.lr_scheduler.on_skip == "hold";
   StopSignals stop_signals;
+  int64_t last_verified = state.step;  // diagnostics.verify_every: the last step all ranks agreed
   while (state.step < tc.steps) {
     const int64_t step_no = state.step + 1;  // 1-based, as logged
     const double lr = lr_at(schedule, hold_lr ? state.optimizer_steps : state.step);
@@ -629,18 +629,21 @@ TrainResult train(const Config& cfg) {
         throw TrainingAborted(fmt::format(
             "step {}: desync: rank(s) {} hold other parameters or optimizer state than the "
             "majority (params crc32 {} vs {}); the ranks no longer train one model, so the job "
-            "stops without saving; resume from the last checkpoint (written by rank 0 before "
-            "the divergence was seen) and look for nondeterminism or memory errors on those "
+            "stops without saving; the last step verified consistent is {}: resume from a "
+            "checkpoint at or before it, and look for nondeterminism or memory errors on those "
             "ranks",
-            state.step, fmt::join(bad, ", "), crcs[bad[0]].first, crcs[agreeing_rank(bad)].first));
+            state.step, fmt::join(bad, ", "), crcs[bad[0]].first, crcs[agreeing_rank(bad)].first,
+            last_verified));
       }
+      last_verified = state.step;
     }
     const bool saved = cfg.checkpoint.enable && (state.step % cfg.checkpoint.interval == 0 || last);
     if (saved) save();
     if (verdict.stop && !last) {
       // Every rank saw the same request in the same all-gather: all stop after this step.
-      if (cfg.checkpoint.enable && !saved) save();
-      const int sig = g_stop_signal.load() ? g_stop_signal.load() : SIGTERM;
+      if (!saved) save();  // a no-op with checkpoint.enable = false
+      const int signal_seen = g_stop_signal.load();
+      const int sig = signal_seen ? signal_seen : SIGTERM;  // asked by another rank
       log::flush();
       throw Error(static_cast<ExitCode>(128 + sig),
                   fmt::format("stopped by {} after step {} of {}{}; run the same command again to "
