@@ -45,8 +45,11 @@ void print_checkpoint_info(const nlohmann::json& info) {
   fmt::print("  step {}  optimizer_steps {}  data_position {}  tokens_seen {}\n",
              info["step"].get<int64_t>(), info["optimizer_steps"].get<int64_t>(),
              info["data_position"].get<int64_t>(), info.value("tokens_seen", int64_t{0}));
-  fmt::print("  written by lockstep {}, world_size {}\n",
-             info["lockstep_version"].get<std::string>(), info["world_size"].get<int64_t>());
+  fmt::print("  written by lockstep {}, world_size {}, {} optimizer state\n",
+             info["lockstep_version"].get<std::string>(), info["world_size"].get<int64_t>(),
+             info.value("mode", "ddp") == "sharded" ? "sharded (one file per rank; resumable at any "
+                                                      "world size)"
+                                                    : "replicated (ddp)");
   const auto& m = info["config"]["model"];
   fmt::print("  model: {}\n", m.dump());
   size_t bad = 0;
@@ -130,8 +133,8 @@ int main(int argc, char** argv) {
       "comm", "Collective size sweep with algbw/busbw, checked every run; launch it on N ranks");
   comm_bench->add_option("--sizes", copt.sizes_bytes, "Message sizes in bytes")
       ->capture_default_str();
-  comm_bench->add_option("--ops", copt.ops, "all_reduce, all_gather, broadcast")
-      ->check(CLI::IsMember({"all_reduce", "all_gather", "broadcast"}))
+  comm_bench->add_option("--ops", copt.ops, "all_reduce, reduce_scatter, all_gather, broadcast")
+      ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast"}))
       ->capture_default_str();
   comm_bench->add_option("--iters", copt.iters, "Timed iterations per size (the best counts)")
       ->check(CLI::PositiveNumber)

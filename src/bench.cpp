@@ -298,24 +298,31 @@ bool bench_comm(const CommBenchOptions& o) {
                "op", "bytes", "time_us", "algbw_GBs", "busbw_GBs", "check");
   bool all_ok = true;
   for (const auto& op : o.ops) {
-    // nccl-tests' bus bandwidth factors.
-    const double factor = op == "all_reduce"   ? 2.0 * (w - 1) / w
-                          : op == "all_gather" ? static_cast<double>(w - 1) / w
-                                               : 1.0;
+    // nccl-tests' conventions: the size is the whole buffer (all_gather's output,
+    // reduce_scatter's input, w blocks), and these bus bandwidth factors.
+    const bool blocked = op == "all_gather" || op == "reduce_scatter";
+    const double factor = op == "all_reduce" ? 2.0 * (w - 1) / w
+                          : blocked          ? static_cast<double>(w - 1) / w
+                                             : 1.0;
     for (int64_t bytes : o.sizes_bytes) {
-      const int64_t n = std::max<int64_t>(1, bytes / 4);
+      const int64_t block = std::max<int64_t>(1, bytes / 4 / (blocked ? w : 1));
+      const int64_t n = blocked ? block * w : block;  // elements of the whole buffer
       at::Tensor t = at::empty({n}, at::kFloat);
-      at::Tensor gathered = at::empty({w, n}, at::kFloat);
+      at::Tensor piece = at::empty({block}, at::kFloat);
+      at::Tensor gathered = at::empty({w, block}, at::kFloat);
       bool ok = true;
       double best = 1e30;
       for (int it = 0; it < o.warmup + o.iters; ++it) {
         // Small integers: sums are exact in fp32, so the check is exact too.
         t.fill_(static_cast<double>(r + 1 + it % 3));
+        piece.fill_(static_cast<double>(r + 1 + it % 3));
         const auto start = Clock::now();
         if (op == "all_reduce")
           comm->all_reduce_sum(t);
+        else if (op == "reduce_scatter")
+          comm->reduce_scatter_sum(t, piece);
         else if (op == "all_gather")
-          comm->all_gather(t, gathered);
+          comm->all_gather(piece, gathered);
         else
           comm->broadcast(t, 0);
         const double secs = std::chrono::duration<double>(Clock::now() - start).count();
@@ -323,6 +330,8 @@ bool bench_comm(const CommBenchOptions& o) {
         const double k = it % 3;
         if (op == "all_reduce")
           ok = ok && at::eq(t, w * (w + 1) / 2.0 + w * k).all().item<bool>();
+        else if (op == "reduce_scatter")
+          ok = ok && at::eq(piece, w * (w + 1) / 2.0 + w * k).all().item<bool>();
         else if (op == "broadcast")
           ok = ok && at::eq(t, 1.0 + k).all().item<bool>();
         else

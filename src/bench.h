@@ -28,7 +28,8 @@ namespace lockstep {
 
 struct CommBenchOptions {
   std::vector<int64_t> sizes_bytes = {1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24};
-  std::vector<std::string> ops = {"all_reduce", "all_gather", "broadcast"};
+  std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather",
+                                   "broadcast"};
   int warmup = 2;
   int iters = 10;
   bool json = false;

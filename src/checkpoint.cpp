@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 
 #include "lockstep/build_info.h"
 #include "fsutil.h"
@@ -50,7 +51,7 @@ std::string crc_hex(const void* data, size_t n) {
 // A safetensors file: u64 little-endian header length, a JSON header, then the raw bytes.
 // Returns the bytes and fills `crcs` (name -> CRC32 of that tensor's bytes).
 std::string encode_safetensors(const std::vector<NamedTensor>& tensors,
-                               std::map<std::string, std::string>& crcs) {
+                               std::map<std::string, uint32_t>& crcs) {
   std::vector<at::Tensor> cpu;
   json header = json::object();
   size_t offset = 0;
@@ -73,7 +74,7 @@ std::string encode_safetensors(const std::vector<NamedTensor>& tensors,
   out += h;
   for (size_t i = 0; i < cpu.size(); ++i) {
     const char* p = static_cast<const char*>(cpu[i].data_ptr());
-    crcs[tensors[i].name] = crc_hex(p, cpu[i].nbytes());
+    crcs[tensors[i].name] = crc32_fast(p, cpu[i].nbytes(), 0);
     out.append(p, cpu[i].nbytes());
   }
   return out;
@@ -240,61 +241,266 @@ std::vector<int64_t> Checkpointer::steps() const {
   return out;
 }
 
+namespace {
+
+// Every rank's numbers for one phase of a collective save, in rank order: an all-gather of
+// equally long double vectors (a rank without comm is alone).
+std::vector<std::vector<double>> share(Comm* comm, const std::vector<double>& mine) {
+  if (!comm) return {mine};
+  const auto n = static_cast<int64_t>(mine.size());
+  at::Tensor in = at::empty({n}, at::kDouble);
+  std::memcpy(in.data_ptr<double>(), mine.data(), sizeof(double) * mine.size());
+  at::Tensor out = at::empty({comm->size(), n}, at::kDouble);
+  comm->all_gather(in, out);
+  std::vector<std::vector<double>> all;
+  for (int r = 0; r < comm->size(); ++r) {
+    const double* q = out.select(0, r).data_ptr<double>();
+    all.emplace_back(q, q + n);
+  }
+  return all;
+}
+
+// The ranks whose first number (ok = 1) is 0.
+std::vector<int> failed_ranks(const std::vector<std::vector<double>>& all) {
+  std::vector<int> bad;
+  for (size_t r = 0; r < all.size(); ++r)
+    if (all[r][0] == 0.0) bad.push_back(static_cast<int>(r));
+  return bad;
+}
+
+std::string shard_file(int rank) { return fmt::format("optimizer-rank{}.safetensors", rank); }
+
+json crc_json(const std::map<std::string, uint32_t>& crcs) {
+  json j = json::object();
+  for (const auto& [name, crc] : crcs) j[name] = fmt::format("{:08x}", crc);
+  return j;
+}
+
+}  // namespace
+
 std::string Checkpointer::save(const TrainState& state, const std::vector<NamedTensor>& model,
-                               const std::vector<NamedTensor>& optimizer,
-                               const json& config) const {
-  fs::make_dirs(opt_.folder);
+                               const OptimizerState& optimizer, const json& config,
+                               Comm* comm) const {
+  const int rank = comm ? comm->rank() : 0;
+  const bool lead = rank == 0;
   const std::string final_dir = dir_of(state.step);
-  const std::string tmp = fmt::format("{}.tmp-{}", final_dir, ::getpid());
-  fs::remove_all(tmp);
-  fs::make_dirs(tmp);
+  const std::string tmp = final_dir + ".tmp";
+  // Each phase ends with the ranks telling each other how it went, so that one rank's error
+  // (a full disk) stops all of them alike instead of leaving some in a collective.
+  std::string error;
+  auto attempt = [&](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    return error.empty() ? 1.0 : 0.0;
+  };
+  auto give_up = [&](const std::vector<int>& bad) {
+    if (lead) fs::remove_all(tmp);
+    const std::string who = error.empty() ? fmt::format("rank {} (see its log)", bad[0])
+                                          : fmt::format("rank {}: {}", rank, error);
+    auto kept = steps();
+    return InputError(fmt::format(
+        "checkpoint {} was not saved: {}; {}; free space or choose another checkpoint.folder",
+        final_dir, who,
+        kept.empty() ? "there is no earlier checkpoint"
+                     : fmt::format("the earlier checkpoints are intact (latest: {})",
+                                   dir_of(kept.back()))));
+  };
 
-  std::map<std::string, std::string> model_crc, optim_crc;
-  try {
-    fs::write_file_synced(tmp + "/model.safetensors", encode_safetensors(model, model_crc));
-    fs::write_file_synced(tmp + "/optimizer.safetensors",
-                          encode_safetensors(optimizer, optim_crc));
-    json meta = {{"format", kFormat},
-                 {"format_version", kFormatVersion},
-                 {"lockstep_version", LOCKSTEP_VERSION},
-                 {"step", state.step},
-                 {"optimizer_steps", state.optimizer_steps},
-                 {"data_position", state.data_position},
-                 {"tokens_seen", state.tokens_seen},
-                 {"world_size", state.world_size},
-                 {"skipped_steps", state.skipped_steps},
-                 {"detector", state.detector},
-                 {"rng", {{"cpu", cpu_rng_state()}}},
-                 {"config", config},
-                 {"checksums",
-                  {{"model.safetensors", model_crc}, {"optimizer.safetensors", optim_crc}}}};
-    // meta.json last: a folder with meta.json is complete by construction.
-    fs::write_file_synced(tmp + "/meta.json", meta.dump(2));
-    fs::sync_dir(tmp);
-  } catch (...) {
-    fs::remove_all(tmp);  // a failed save (full disk) leaves the previous checkpoints alone
-    throw;
-  }
-  // Move the complete folder into place; a same-step folder from an earlier run is replaced.
-  std::string old;
-  if (fs::exists(final_dir)) {
-    old = fmt::format("{}.replaced-{}", final_dir, ::getpid());
-    std::filesystem::rename(final_dir, old);
-  }
-  std::filesystem::rename(tmp, final_dir);
-  fs::sync_dir(opt_.folder);
-  if (!old.empty()) fs::remove_all(old);
+  // 1. Rank 0 prepares an empty temporary folder.
+  double ok = 1.0;
+  if (lead) ok = attempt([&] {
+      fs::make_dirs(opt_.folder);
+      fs::remove_all(tmp);
+      fs::make_dirs(tmp);
+    });
+  if (auto bad = failed_ranks(share(comm, {ok})); !bad.empty()) throw give_up(bad);
 
-  if (opt_.keep_latest_k > 0) {
-    auto all = steps();
-    for (size_t i = 0; i + opt_.keep_latest_k < all.size(); ++i) fs::remove_all(dir_of(all[i]));
-  }
+  // 2. Every rank writes its files: rank 0 the model (and the ddp optimizer), each rank its
+  //    optimizer shard. They report their CRC32s and ranges.
+  std::map<std::string, uint32_t> model_crc, optim_crc;
+  ok = attempt([&] {
+    if (lead) fs::write_file_synced(tmp + "/model.safetensors", encode_safetensors(model, model_crc));
+    if (optimizer.sharded)
+      fs::write_file_synced(tmp + "/" + shard_file(rank),
+                            encode_safetensors(optimizer.tensors, optim_crc));
+    else if (lead)
+      fs::write_file_synced(tmp + "/optimizer.safetensors",
+                            encode_safetensors(optimizer.tensors, optim_crc));
+  });
+  std::vector<double> report = {ok, static_cast<double>(optimizer.offset),
+                                static_cast<double>(optimizer.length)};
+  for (const auto& t : optimizer.tensors)
+    report.push_back(optimizer.sharded ? static_cast<double>(optim_crc[t.name]) : 0.0);
+  const auto reports = share(comm, report);
+  if (auto bad = failed_ranks(reports); !bad.empty()) throw give_up(bad);
+
+  // 3. Rank 0 writes meta.json (last: a folder with meta.json is complete by construction) and
+  //    moves the folder into place.
+  if (lead) ok = attempt([&] {
+      json checksums = {{"model.safetensors", crc_json(model_crc)}};
+      json shards = json::array();
+      if (optimizer.sharded) {
+        for (size_t r = 0; r < reports.size(); ++r) {
+          std::map<std::string, uint32_t> crcs;
+          for (size_t i = 0; i < optimizer.tensors.size(); ++i)
+            crcs[optimizer.tensors[i].name] = static_cast<uint32_t>(reports[r][3 + i]);
+          checksums[shard_file(static_cast<int>(r))] = crc_json(crcs);
+          shards.push_back({{"rank", r},
+                            {"file", shard_file(static_cast<int>(r))},
+                            {"offset", static_cast<int64_t>(reports[r][1])},
+                            {"length", static_cast<int64_t>(reports[r][2])}});
+        }
+      } else {
+        checksums["optimizer.safetensors"] = crc_json(optim_crc);
+      }
+      json meta = {{"format", kFormat},
+                   {"format_version", kFormatVersion},
+                   {"lockstep_version", LOCKSTEP_VERSION},
+                   {"step", state.step},
+                   {"optimizer_steps", state.optimizer_steps},
+                   {"data_position", state.data_position},
+                   {"tokens_seen", state.tokens_seen},
+                   {"world_size", state.world_size},
+                   {"mode", optimizer.sharded ? "sharded" : "ddp"},
+                   {"skipped_steps", state.skipped_steps},
+                   {"detector", state.detector},
+                   {"rng", {{"cpu", cpu_rng_state()}}},
+                   {"config", config},
+                   {"checksums", checksums}};
+      if (optimizer.sharded) meta["optimizer_shards"] = shards;
+      fs::write_file_synced(tmp + "/meta.json", meta.dump(2));
+      fs::sync_dir(tmp);
+      // A same-step folder from an earlier run is replaced.
+      std::string old;
+      if (fs::exists(final_dir)) {
+        old = fmt::format("{}.replaced-{}", final_dir, ::getpid());
+        std::filesystem::rename(final_dir, old);
+      }
+      std::filesystem::rename(tmp, final_dir);
+      fs::sync_dir(opt_.folder);
+      if (!old.empty()) fs::remove_all(old);
+      if (opt_.keep_latest_k > 0) {
+        auto all = steps();
+        for (size_t i = 0; i + opt_.keep_latest_k < all.size(); ++i)
+          fs::remove_all(dir_of(all[i]));
+      }
+    });
+  if (auto bad = failed_ranks(share(comm, {ok})); !bad.empty()) throw give_up(bad);
   return final_dir;
 }
 
+namespace {
+
+// The moments of a checkpoint as ranges of the flat parameter space, whatever files hold them:
+// the shards of a sharded checkpoint, or the per-parameter tensors of a ddp one.
+class FlatMoments {
+ public:
+  FlatMoments(const std::string& dir, const json& meta, const std::vector<NamedTensor>& model)
+      : dir_(dir), checksums_(meta["checksums"]) {
+    if (meta.value("mode", "ddp") == "sharded") {
+      for (const auto& s : meta.at("optimizer_shards"))
+        pieces_.push_back({s.at("file").get<std::string>(), "", s.at("offset").get<int64_t>(),
+                           s.at("length").get<int64_t>()});
+      step_file_ = pieces_.at(0).file;
+      step_name_ = "step";
+    } else {
+      int64_t off = 0;
+      for (const auto& p : model) {
+        pieces_.push_back({"optimizer.safetensors", p.name + ".", off, p.tensor.numel()});
+        off += p.tensor.numel();
+      }
+      step_file_ = "optimizer.safetensors";
+      step_name_ = model.at(0).name + ".step";
+    }
+  }
+
+  // Copies elements [lo, hi) of moment `kind` ("exp_avg" | "exp_avg_sq") into `dst` (fp32).
+  void read(const std::string& kind, int64_t lo, int64_t hi, float* dst) {
+    int64_t covered = 0;
+    for (const auto& p : pieces_) {
+      const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.length);
+      if (a >= b) continue;
+      const TensorView& v = view(p.file, p.prefix + kind, p.length);
+      std::memcpy(dst + (a - lo), reinterpret_cast<const float*>(v.data) + (a - p.offset),
+                  sizeof(float) * static_cast<size_t>(b - a));
+      covered += b - a;
+    }
+    if (covered != hi - lo)
+      throw InputError(fmt::format("checkpoint '{}': its optimizer files cover {} of the {} "
+                                   "elements [{}, {}); a shard file is missing from meta.json",
+                                   dir_, covered, hi - lo, lo, hi));
+  }
+
+  double step() {
+    const TensorView& v = view(step_file_, step_name_, 1);
+    return *reinterpret_cast<const float*>(v.data);
+  }
+
+ private:
+  struct Piece {
+    std::string file, prefix;
+    int64_t offset, length;
+  };
+  struct File {
+    std::string bytes;
+    std::map<std::string, TensorView> views;
+  };
+
+  // The tensor `name` of `file`, checked once: fp32, `numel` elements, its CRC32.
+  const TensorView& view(const std::string& file, const std::string& name, int64_t numel) {
+    const std::string path = dir_ + "/" + file;
+    auto [it, fresh] = files_.try_emplace(file);
+    if (fresh) {
+      it->second.bytes = fs::read_file(path);
+      it->second.views = decode_safetensors(it->second.bytes, path);
+    }
+    auto v = it->second.views.find(name);
+    if (v == it->second.views.end())
+      throw InputError(fmt::format("checkpoint file '{}' has no tensor '{}'; it was written by "
+                                   "a different model or optimizer",
+                                   path, name));
+    const TensorView& t = v->second;
+    if (t.dtype != at::kFloat || static_cast<int64_t>(t.bytes / 4) != numel)
+      throw InputError(fmt::format("checkpoint file '{}': tensor '{}' is {} with {} bytes, "
+                                   "expected {} fp32 elements; the file does not belong to this "
+                                   "checkpoint",
+                                   path, name, c10::toString(t.dtype), t.bytes, numel));
+    if (checked_.insert(file + "/" + name).second) {
+      const json& crcs = checksums_.contains(file) ? checksums_[file] : json::object();
+      if (!crcs.contains(name) || crcs[name].get<std::string>() != crc_hex(t.data, t.bytes))
+        throw InputError(fmt::format("checkpoint file '{}': tensor '{}' fails its CRC32 check "
+                                     "(the file is corrupt); resume from another step with "
+                                     "checkpoint.load_step",
+                                     path, name));
+    }
+    return t;
+  }
+
+  std::string dir_;
+  json checksums_;
+  std::vector<Piece> pieces_;
+  std::string step_file_, step_name_;
+  std::map<std::string, File> files_;
+  std::set<std::string> checked_;
+};
+
+void fill_fp32(const at::Tensor& target, const std::string& what, FlatMoments& src, int64_t lo,
+               const std::string& kind) {
+  if (target.scalar_type() != at::kFloat || !target.is_contiguous())
+    throw std::invalid_argument("checkpoint: " + what + " must be contiguous fp32");
+  at::Tensor staged = at::empty({target.numel()}, at::kFloat);
+  src.read(kind, lo, lo + target.numel(), staged.data_ptr<float>());
+  c10::AutoGradMode no_grad(false);
+  target.detach().view({-1}).copy_(staged);
+}
+
+}  // namespace
+
 TrainState Checkpointer::load(int64_t step, const std::vector<NamedTensor>& model,
-                              const std::vector<NamedTensor>& optimizer,
-                              const json& config) const {
+                              const OptimizerState& optimizer, const json& config) const {
   const std::string dir = dir_of(step);
   json meta = read_meta(dir);
   // The model must be the same one: compare the model section key by key.
@@ -307,13 +513,41 @@ TrainState Checkpointer::load(int64_t step, const std::vector<NamedTensor>& mode
           dir, k, saved_model.contains(k) ? saved_model[k].dump() : "(absent)", v.dump()));
   }
   load_into(model, dir + "/model.safetensors", meta["checksums"]["model.safetensors"]);
-  load_into(optimizer, dir + "/optimizer.safetensors", meta["checksums"]["optimizer.safetensors"]);
+  const bool saved_sharded = meta.value("mode", "ddp") == "sharded";
+  if (!saved_sharded && !optimizer.sharded) {
+    load_into(optimizer.tensors, dir + "/optimizer.safetensors",
+              meta["checksums"]["optimizer.safetensors"]);
+  } else {
+    // Range by range: a sharded checkpoint at any world size, or a change of mode.
+    FlatMoments src(dir, meta, model);
+    const double steps = src.step();
+    auto find = [&](const std::string& name) -> const at::Tensor& {
+      for (const auto& t : optimizer.tensors)
+        if (t.name == name) return t.tensor;
+      throw std::invalid_argument("checkpoint: no optimizer tensor " + name);
+    };
+    c10::AutoGradMode no_grad(false);
+    if (optimizer.sharded) {
+      for (const char* kind : {"exp_avg", "exp_avg_sq"})
+        fill_fp32(find(kind), kind, src, optimizer.offset, kind);
+      find("step").fill_(steps);
+    } else {
+      int64_t off = 0;
+      for (const auto& p : model) {
+        for (const char* kind : {"exp_avg", "exp_avg_sq"})
+          fill_fp32(find(p.name + "." + kind), p.name + "." + kind, src, off, kind);
+        find(p.name + ".step").fill_(steps);
+        off += p.tensor.numel();
+      }
+    }
+  }
   set_cpu_rng_state(meta["rng"]["cpu"].get<std::string>());
   TrainState s;
   s.step = meta.at("step").get<int64_t>();
   s.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
   s.data_position = meta.at("data_position").get<int64_t>();
   s.tokens_seen = meta.value("tokens_seen", int64_t{0});
+  s.world_size = meta.value("world_size", int64_t{1});
   s.skipped_steps = meta.value("skipped_steps", int64_t{0});
   s.detector = meta.value("detector", json::object());
   return s;
@@ -334,7 +568,7 @@ json checkpoint_info(const std::string& dir_in) {
                         {"consecutive_skips", info["detector"]["consecutive_skips"]}};
   info["path"] = dir;
   json tensors = json::array();
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) {
+  for (const auto& [file, unused] : meta["checksums"].items()) {
     const std::string path = dir + "/" + file;
     auto bytes = fs::read_file(path);
     auto views = decode_safetensors(bytes, path);

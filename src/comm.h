@@ -1,6 +1,10 @@
 // Collectives behind one small interface, one implementation per backend (c10d's Backend.hpp
 // style). The implementations own the only includes of their libraries: comm_gloo.cpp holds
-// LibTorch c10d's ProcessGroupGloo and stores.
+// LibTorch c10d's ProcessGroupGloo and the stores, comm_nccl.cpp ProcessGroupNCCL (CUDA builds),
+// comm_mpi.cpp OpenMPI.
+//
+// Tensors may live on the CPU or on the GPU with any backend: each stages what its library
+// cannot take (NCCL moves device memory only; the CPU backends get host copies of GPU tensors).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,7 +17,8 @@
 namespace lockstep {
 
 struct CommOptions {
-  std::string backend = "gloo";
+  std::string backend = "gloo";        // "gloo" | "nccl" (make_comm); "mpi": make_mpi_comm
+  int cuda_device = 0;                 // nccl: this rank's GPU
   double init_timeout_seconds = 300;   // rendezvous ([comm] init_timeout_seconds)
   double train_timeout_seconds = 100;  // each collective ([comm] train_timeout_seconds)
 };
@@ -29,8 +34,14 @@ class Comm {
   virtual void all_reduce_sum(at::Tensor& t) = 0;                     // in place
   virtual void broadcast(at::Tensor& t, int root) = 0;                 // in place
   virtual void all_gather(const at::Tensor& in, at::Tensor& out) = 0;  // out: size() x in
+  // `in` is flat with size() x out.numel() elements; rank r's `out` receives the sum over all
+  // ranks of block r of `in` (the gradient sync of the sharded mode).
+  virtual void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) = 0;
   virtual void barrier() = 0;
 };
+
+// NCCL is built in (LOCKSTEP_CUDA builds).
+bool nccl_available();
 
 // Rendezvous through a c10d TCPStore at ranks.master_addr:master_port (rank 0 serves it, or
 // the torchrun agent does), under ranks.store_prefix().

@@ -1,5 +1,7 @@
-// Gloo collectives through LibTorch c10d. The only file that includes Gloo or the c10d stores.
-// The torch wheel ships no gloo headers; Debian's libgloo-dev provides them (launch/setup.sh).
+// Gloo collectives through LibTorch c10d, and the rendezvous stores every c10d backend uses.
+// The only file that includes Gloo or the c10d stores. The torch wheel ships no gloo headers;
+// Debian's libgloo-dev provides them (launch/setup.sh). GPU tensors are staged through host
+// memory (Gloo is the CPU backend; it serves ranks that share one GPU, which NCCL refuses).
 #include <fmt/core.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -8,7 +10,7 @@
 
 #include <chrono>
 
-#include "comm.h"
+#include "comm_store.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
@@ -51,25 +53,47 @@ class GlooComm final : public Comm {
   std::string backend() const override { return "gloo"; }
 
   void all_reduce_sum(at::Tensor& t) override {
-    std::vector<at::Tensor> v = {t};
+    at::Tensor h = host(t);
+    std::vector<at::Tensor> v = {h};
     wait(pg_->allreduce(v), "all_reduce");
+    back(h, t);
   }
   void broadcast(at::Tensor& t, int root) override {
-    std::vector<at::Tensor> v = {t};
+    at::Tensor h = host(t);
+    std::vector<at::Tensor> v = {h};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     wait(pg_->broadcast(v, o), "broadcast");
+    back(h, t);
   }
   void all_gather(const at::Tensor& in, at::Tensor& out) override {
+    at::Tensor hin = host(in), hout = host(out);
     std::vector<at::Tensor> outs;
-    for (int r = 0; r < size_; ++r) outs.push_back(out.select(0, r));
+    for (int r = 0; r < size_; ++r) outs.push_back(hout.select(0, r));
     std::vector<std::vector<at::Tensor>> o = {outs};
-    std::vector<at::Tensor> i = {in};
+    std::vector<at::Tensor> i = {hin};
     wait(pg_->allgather(o, i), "all_gather");
+    back(hout, out);
+  }
+  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) override {
+    const int64_t n = out.numel();
+    if (in.dim() != 1 || in.numel() != n * size_)
+      throw std::invalid_argument("gloo reduce_scatter: in must be flat with size() x out elements");
+    at::Tensor hin = host(in), hout = host(out);
+    std::vector<at::Tensor> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(hin.narrow(0, r * n, n));
+    std::vector<at::Tensor> o = {hout};
+    std::vector<std::vector<at::Tensor>> i = {blocks};
+    wait(pg_->reduce_scatter(o, i), "reduce_scatter");
+    back(hout, out);
   }
   void barrier() override { wait(pg_->barrier(), "barrier"); }
 
  private:
+  static at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
+  static void back(const at::Tensor& staged, const at::Tensor& t) {
+    if (!t.is_cpu()) t.copy_(staged);
+  }
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
     try {
       work->wait(timeout_);
@@ -87,12 +111,32 @@ class GlooComm final : public Comm {
 };
 
 void check_backend(const CommOptions& o) {
-  if (o.backend != "gloo")
-    throw ConfigError(fmt::format("backend '{}' is not built in; this build has gloo",
-                                  o.backend));
+  if (o.backend == "nccl" && !nccl_available())
+    throw ConfigError("invalid value for 'parallelism.backend': \"nccl\" but this build has no "
+                      "CUDA (LOCKSTEP_CUDA=OFF); build with a CUDA torch (launch/build_cuda.sh) "
+                      "or use \"gloo\"");
+  if (o.backend != "gloo" && o.backend != "nccl")
+    throw ConfigError(fmt::format("backend '{}' is not built in; this build has gloo{}",
+                                  o.backend, nccl_available() ? " and nccl" : ""));
+}
+
+std::unique_ptr<Comm> make_backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                   const RankInfo& ranks, const CommOptions& o) {
+  if (o.backend == "nccl") return make_nccl_comm(std::move(store), rank, size, o);
+  return std::make_unique<GlooComm>(std::move(store), rank, size, ranks, o);
 }
 
 }  // namespace
+
+#if !LOCKSTEP_WITH_NCCL
+bool nccl_available() { return false; }
+
+std::unique_ptr<Comm> make_nccl_comm(c10::intrusive_ptr<c10d::Store>, int, int,
+                                     const CommOptions& o) {
+  check_backend(o);
+  return nullptr;
+}
+#endif
 
 std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& o) {
   check_backend(o);
@@ -112,7 +156,7 @@ std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& o) {
   }
   if (!ranks.store_prefix().empty())
     store = c10::make_intrusive<c10d::PrefixStore>(ranks.store_prefix(), store);
-  return std::make_unique<GlooComm>(store, ranks.rank, ranks.world_size, ranks, o);
+  return make_backend(store, ranks.rank, ranks.world_size, ranks, o);
 }
 
 std::unique_ptr<Comm> make_comm_file_store(const std::string& path, int rank, int size,
@@ -122,7 +166,7 @@ std::unique_ptr<Comm> make_comm_file_store(const std::string& path, int rank, in
   RankInfo one_node;
   one_node.rank = rank;
   one_node.world_size = one_node.local_world_size = size;
-  return std::make_unique<GlooComm>(store, rank, size, one_node, o);
+  return make_backend(store, rank, size, one_node, o);
 }
 
 }  // namespace lockstep

@@ -60,29 +60,41 @@ class MpiComm final : public Comm {
   std::string backend() const override { return "mpi"; }
 
   void all_reduce_sum(at::Tensor& t) override {
-    check(t, "all_reduce");
+    at::Tensor h = host(t, "all_reduce");
     MPI_Request req;
-    MPI_Iallreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), mpi_type(t, "all_reduce"),
-                   MPI_SUM, comm_, &req);
+    MPI_Iallreduce(MPI_IN_PLACE, h.data_ptr(), static_cast<int>(h.numel()),
+                   mpi_type(h, "all_reduce"), MPI_SUM, comm_, &req);
     wait(req, "all_reduce");
+    back(h, t);
   }
   void broadcast(at::Tensor& t, int root) override {
-    check(t, "broadcast");
+    at::Tensor h = host(t, "broadcast");
     MPI_Request req;
-    MPI_Ibcast(t.data_ptr(), static_cast<int>(t.numel()), mpi_type(t, "broadcast"), root, comm_,
+    MPI_Ibcast(h.data_ptr(), static_cast<int>(h.numel()), mpi_type(h, "broadcast"), root, comm_,
                &req);
     wait(req, "broadcast");
+    back(h, t);
   }
   void all_gather(const at::Tensor& in, at::Tensor& out) override {
-    check(in, "all_gather");
-    check(out, "all_gather");
-    if (out.numel() != in.numel() * size_)
+    at::Tensor hin = host(in, "all_gather"), hout = host(out, "all_gather");
+    if (hout.numel() != hin.numel() * size_)
       throw std::invalid_argument("mpi all_gather: out must hold size() x in elements");
     MPI_Request req;
-    const MPI_Datatype ty = mpi_type(in, "all_gather");
-    MPI_Iallgather(in.data_ptr(), static_cast<int>(in.numel()), ty, out.data_ptr(),
-                   static_cast<int>(in.numel()), ty, comm_, &req);
+    const MPI_Datatype ty = mpi_type(hin, "all_gather");
+    MPI_Iallgather(hin.data_ptr(), static_cast<int>(hin.numel()), ty, hout.data_ptr(),
+                   static_cast<int>(hin.numel()), ty, comm_, &req);
     wait(req, "all_gather");
+    back(hout, out);
+  }
+  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) override {
+    at::Tensor hin = host(in, "reduce_scatter"), hout = host(out, "reduce_scatter");
+    if (hin.numel() != hout.numel() * size_ || hin.scalar_type() != hout.scalar_type())
+      throw std::invalid_argument("mpi reduce_scatter: in must hold size() x out elements");
+    MPI_Request req;
+    MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(hout.numel()),
+                              mpi_type(hout, "reduce_scatter"), MPI_SUM, comm_, &req);
+    wait(req, "reduce_scatter");
+    back(hout, out);
   }
   void barrier() override {
     MPI_Request req;
@@ -91,10 +103,16 @@ class MpiComm final : public Comm {
   }
 
  private:
-  static void check(const at::Tensor& t, const char* op) {
-    if (!t.device().is_cpu() || !t.is_contiguous() || t.numel() > INT32_MAX)
+  // The host tensor MPI works on: `t` itself, or a host copy of a GPU tensor (CUDA-aware MPI
+  // is not assumed); `back` copies the result into a GPU original.
+  static at::Tensor host(const at::Tensor& t, const char* op) {
+    if (!t.is_contiguous() || t.numel() > INT32_MAX)
       throw std::invalid_argument(fmt::format(
-          "mpi {}: expects a contiguous CPU tensor of at most 2^31-1 elements", op));
+          "mpi {}: expects a contiguous tensor of at most 2^31-1 elements", op));
+    return t.is_cpu() ? t : t.cpu();
+  }
+  static void back(const at::Tensor& staged, const at::Tensor& t) {
+    if (!t.is_cpu()) t.copy_(staged);
   }
   // Completes `req` or throws naming `op` once train_timeout_seconds have passed. Spins first
   // (small collectives finish in microseconds), then polls gently so a waiting rank does not

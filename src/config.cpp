@@ -202,11 +202,15 @@ const std::vector<Field>& fields() {
                              "quarantine file `lockstep diag` writes); \"\" = none"));
     // [parallelism]
     t.push_back(string_field("parallelism", "backend", &C::parallelism,
-                             &ParallelismConfig::backend, {"auto", "gloo", "mpi"},
-                             "collectives between ranks: auto = gloo on CPUs; mpi = OpenMPI "
-                             "(launch with mpirun)"));
+                             &ParallelismConfig::backend, {"auto", "gloo", "mpi", "nccl"},
+                             "collectives between ranks: auto = nccl on GPUs, gloo on CPUs; "
+                             "mpi = OpenMPI (launch with mpirun); nccl needs a CUDA build"));
     t.push_back(string_field("parallelism", "mode", &C::parallelism, &ParallelismConfig::mode,
-                             {"ddp"}, "ddp: replicated parameters, gradients averaged by all-reduce"));
+                             {"ddp", "sharded"},
+                             "ddp: replicated parameters and optimizer, gradients all-reduced; "
+                             "sharded (ZeRO-2): gradients reduce-scattered, each rank keeps and "
+                             "updates 1/W of the master weights and AdamW state, parameters "
+                             "all-gathered"));
     // [comm]
     t.push_back(float_field("comm", "init_timeout_seconds", &C::comm,
                             &CommConfig::init_timeout_seconds, 0, true, 86400,

@@ -20,6 +20,12 @@ std::shared_ptr<spdlog::logger>& logger() {
   return l;
 }
 
+// The per-rank file's own logger (same sink as the main logger's file sink), or null.
+std::shared_ptr<spdlog::logger>& file_logger() {
+  static std::shared_ptr<spdlog::logger> l;
+  return l;
+}
+
 spdlog::level::level_enum to_spd(Level l) {
   switch (l) {
     case Level::kDebug: return spdlog::level::debug;
@@ -36,8 +42,13 @@ void init(int rank, const std::string& file, Level level, Level console_level) {
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stdout_color_sink_mt>());
   sinks.back()->set_level(to_spd(console_level));
-  if (!file.empty())
+  file_logger().reset();
+  if (!file.empty()) {
     sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(file, /*truncate=*/false));
+    file_logger() = std::make_shared<spdlog::logger>("lockstep-file", sinks.back());
+    file_logger()->set_pattern(fmt::format("[%Y-%m-%d %H:%M:%S.%e] [rank {}] %^%l%$ %v", rank));
+    file_logger()->flush_on(spdlog::level::warn);
+  }
   auto lg = std::make_shared<spdlog::logger>("lockstep", sinks.begin(), sinks.end());
   lg->set_pattern(fmt::format("[%Y-%m-%d %H:%M:%S.%e] [rank {}] %^%l%$ %v", rank));
   lg->set_level(to_spd(level));
@@ -46,6 +57,10 @@ void init(int rank, const std::string& file, Level level, Level console_level) {
 }
 
 void write(Level level, std::string_view message) { logger()->log(to_spd(level), message); }
+
+void write_file_only(Level level, std::string_view message) {
+  if (file_logger()) file_logger()->log(to_spd(level), message);
+}
 
 void flush() { logger()->flush(); }
 

@@ -15,19 +15,40 @@
 
 namespace lockstep {
 
-AdamW::AdamW(const std::vector<NamedTensor>& params, AdamWOptions options)
-    : opt_(options), fused_(options.fused && LOCKSTEP_HAVE_FUSED_ADAMW) {
+namespace {
+std::vector<AdamWParam> with_zero_moments(const std::vector<NamedTensor>& params) {
+  std::vector<AdamWParam> out;
+  for (const auto& p : params)
+    out.push_back({p.name, p.tensor, {}, at::zeros_like(p.tensor), at::zeros_like(p.tensor),
+                   p.tensor.dim() >= 2});
+  return out;
+}
+}  // namespace
+
+AdamW::AdamW(const std::vector<NamedTensor>& params, AdamWOptions options) : opt_(options) {
+  add(with_zero_moments(params));
+}
+
+AdamW AdamW::over(const std::vector<AdamWParam>& params, AdamWOptions options) {
+  AdamW a(options);
+  a.add(params);
+  return a;
+}
+
+void AdamW::add(const std::vector<AdamWParam>& params) {
+  fused_ = opt_.fused && LOCKSTEP_HAVE_FUSED_ADAMW;
   groups_.resize(2);
   groups_[0].weight_decay = opt_.weight_decay;
   groups_[1].weight_decay = 0.0;
   for (const auto& p : params) {
-    Group& g = groups_[p.tensor.dim() >= 2 ? 0 : 1];
+    Group& g = groups_[p.decay ? 0 : 1];
     g.names.push_back(p.name);
-    g.params.push_back(p.tensor);
-    g.exp_avgs.push_back(at::zeros_like(p.tensor));
-    g.exp_avg_sqs.push_back(at::zeros_like(p.tensor));
+    g.params.push_back(p.param);
+    g.grads.push_back(p.grad);
+    g.exp_avgs.push_back(p.exp_avg);
+    g.exp_avg_sqs.push_back(p.exp_avg_sq);
     // fp32 step counts on the parameter's device, as the fused kernel wants them.
-    g.steps.push_back(at::zeros({}, p.tensor.options().dtype(at::kFloat)));
+    g.steps.push_back(at::zeros({}, p.param.options().dtype(at::kFloat)));
   }
 }
 
@@ -40,7 +61,12 @@ void AdamW::step_group(Group& g, double lr, const at::Tensor& grad_scale,
                        const at::Tensor& found_inf) {
   std::vector<at::Tensor> grads;
   grads.reserve(g.params.size());
-  for (auto& p : g.params) {
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    at::Tensor& p = g.params[i];
+    if (g.grads[i].defined()) {
+      grads.push_back(g.grads[i]);
+      continue;
+    }
     if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
     grads.push_back(p.grad());
   }
@@ -69,7 +95,7 @@ void AdamW::step_group(Group& g, double lr, const at::Tensor& grad_scale,
 void AdamW::step_group_for_loop(Group& g, double lr, const at::Tensor& grad_scale) {
   for (size_t i = 0; i < g.params.size(); ++i) {
     at::Tensor p = g.params[i].detach();  // update in place, outside autograd
-    at::Tensor grad = g.params[i].grad();
+    at::Tensor grad = g.grads[i].defined() ? g.grads[i] : g.params[i].grad();
     if (grad_scale.defined()) grad = grad.div(grad_scale);
     const double step = g.steps[i].item<double>();
     const double bc1 = 1.0 - std::pow(opt_.beta1, step);
@@ -84,8 +110,16 @@ void AdamW::step_group_for_loop(Group& g, double lr, const at::Tensor& grad_scal
 
 void AdamW::zero_grad() {
   for (auto& g : groups_)
-    for (auto& p : g.params)
-      if (p.grad().defined()) p.mutable_grad().zero_();
+    for (size_t i = 0; i < g.params.size(); ++i)
+      if (g.grads[i].defined())
+        g.grads[i].zero_();
+      else if (g.params[i].grad().defined())
+        g.params[i].mutable_grad().zero_();
+}
+
+void AdamW::set_step_count(double steps) {
+  for (auto& g : groups_)
+    for (auto& s : g.steps) s.fill_(steps);
 }
 
 std::vector<NamedTensor> AdamW::state() const {

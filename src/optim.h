@@ -18,16 +18,29 @@ struct AdamWOptions {
   bool fused = true;  // false: the for-loop implementation (same maths, one op at a time)
 };
 
+// One tensor the optimizer updates. The moments may be views into buffers the caller owns
+// (the sharded mode keeps them flat, one block per rank); `grad` undefined: param.grad().
+struct AdamWParam {
+  std::string name;
+  at::Tensor param, grad, exp_avg, exp_avg_sq;
+  bool decay = true;
+};
+
 class AdamW {
  public:
-  // Matrices and embeddings (dim >= 2) get weight decay; norms and biases do not.
+  // Matrices and embeddings (dim >= 2) get weight decay; norms and biases do not. Moments
+  // start at zero.
   AdamW(const std::vector<NamedTensor>& params, AdamWOptions options);
+  // Over tensors whose gradients, moments and decay the caller chose.
+  static AdamW over(const std::vector<AdamWParam>& params, AdamWOptions options);
 
   // One update at learning rate `lr`. `grad_scale` (0-dim float, optional): gradients are
   // divided by it first (clipping passes 1 / clip_coef). `found_inf` (0-dim float, optional):
   // when it is 1 nothing changes at all, step counts included.
   void step(double lr, const at::Tensor& grad_scale = {}, const at::Tensor& found_inf = {});
   void zero_grad();
+  // Sets every step count (a resumed sharded run reads one count for all).
+  void set_step_count(double steps);
 
   // Moments and step counts, named "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step".
   std::vector<NamedTensor> state() const;
@@ -36,15 +49,17 @@ class AdamW {
 
  private:
   struct Group {
-    std::vector<at::Tensor> params, exp_avgs, exp_avg_sqs, steps;
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
     std::vector<std::string> names;
     double weight_decay;
   };
+  AdamW(AdamWOptions options) : opt_(options) {}
+  void add(const std::vector<AdamWParam>& params);
   void step_group(Group& g, double lr, const at::Tensor& grad_scale, const at::Tensor& found_inf);
   void step_group_for_loop(Group& g, double lr, const at::Tensor& grad_scale);
 
   AdamWOptions opt_;
-  bool fused_;
+  bool fused_ = false;
   std::vector<Group> groups_;
 };
 

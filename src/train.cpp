@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
@@ -31,7 +32,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "comm.h"
-#include "ddp.h"
+#include "parallel.h"
 #include "gradcheck.h"
 #include "fault.h"
 #include "optim.h"
@@ -39,14 +40,19 @@
 
 namespace lockstep {
 
-c10::Device resolve_device(const std::string& name) {
+c10::Device resolve_device(const std::string& name, int local_rank) {
   if (name == "cpu") return c10::Device(c10::kCPU);
   bool cuda = at::hasCUDA();
   if (name == "cuda" && !cuda)
     throw ConfigError(
         "invalid value for 'training.device': \"cuda\" but no CUDA device is usable (CPU-only "
         "LibTorch or no GPU); use training.device = \"cpu\" or \"auto\"");
-  return cuda ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+  if (!cuda) return c10::Device(c10::kCPU);
+  // One GPU per local rank (ranks beyond the GPU count share them round-robin).
+  const auto gpus = static_cast<int>(at::getNumGPUs());
+  const c10::Device d(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % std::max(1, gpus)));
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(d);  // kernels launch on it
+  return d;
 }
 
 namespace {
@@ -244,7 +250,18 @@ std::string culprits_text(const Verdict& v) {
 
 }  // namespace
 
+static TrainResult train_run(const Config& cfg);
+
 TrainResult train(const Config& cfg) {
+  try {
+    return train_run(cfg);
+  } catch (const std::exception& e) {  // the rank's log file says how the run ended, too
+    log::write_file_only(log::Level::kError, e.what());
+    throw;
+  }
+}
+
+static TrainResult train_run(const Config& cfg) {
   const TrainingConfig& tc = cfg.training;
   const RankInfo ranks = discover_ranks();
   const bool lead = ranks.rank == 0;  // writes config, metrics, checkpoints; prints progress
@@ -252,10 +269,17 @@ TrainResult train(const Config& cfg) {
   fs::make_dirs(run_dir + "/logs");
   log::init(ranks.rank, fmt::format("{}/logs/rank{}.log", run_dir, ranks.rank), log::Level::kInfo,
             lead ? log::Level::kInfo : log::Level::kWarn);
+  const c10::Device device = resolve_device(tc.device, ranks.local_rank);
   std::unique_ptr<Comm> comm;
   if (ranks.world_size > 1) {
-    const CommOptions copt{cfg.parallelism.backend == "mpi" ? "mpi" : "gloo",
-                           cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds};
+    // auto: NCCL between GPUs, Gloo between CPUs.
+    std::string backend = cfg.parallelism.backend;
+    if (backend == "auto") backend = device.is_cuda() && nccl_available() ? "nccl" : "gloo";
+    if (backend == "nccl" && !device.is_cuda())
+      throw ConfigError("invalid value for 'parallelism.backend': \"nccl\" moves GPU memory but "
+                        "training.device is the CPU; use \"gloo\" or \"mpi\" on CPUs");
+    CommOptions copt{backend, device.is_cuda() ? device.index() : 0,
+                     cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds};
     if (copt.backend == "mpi") {
 #if LOCKSTEP_WITH_MPI
       comm = make_mpi_comm(ranks, copt);
@@ -278,7 +302,6 @@ TrainResult train(const Config& cfg) {
                                      : static_cast<int>(std::thread::hardware_concurrency()) /
                                            ranks.local_world_size;
   at::set_num_threads(std::max(1, threads));
-  const c10::Device device = resolve_device(tc.device);
   {
     // Dropout draws from the global generator: seed it (a resume restores its state).
     auto gen = at::detail::getDefaultCPUGenerator();
@@ -299,16 +322,31 @@ TrainResult train(const Config& cfg) {
 
   // Model and optimizer
   Gpt model(cfg.model, static_cast<uint64_t>(tc.seed), device);
-  // Gradients live in one flat buffer (one all-reduce); this rank checks its 1/W slice.
-  DdpGradients grads(model.parameters(), comm.get());
-  GradCheck check(grads.grads(), grads.shard_offset(), grads.shard_length());
+  // Gradients live in one flat buffer (one all-reduce, or one reduce-scatter when sharded);
+  // this rank checks its 1/W block, the one it owns in the sharded mode.
+  DataParallel dp(model.parameters(), comm.get(), cfg.parallelism.mode == "sharded");
+  GradCheck check(dp.grads(), dp.shard_offset(), dp.shard_length());
   // [A] this rank's own gradient before the sync: names the culprit rank and parameters.
   std::unique_ptr<GradCheck> local_check;
-  if (cfg.diagnostics.local_check) local_check = std::make_unique<GradCheck>(grads.grads());
+  if (cfg.diagnostics.local_check) local_check = std::make_unique<GradCheck>(dp.grads());
   SkipDetector detector(cfg.skip);
-  AdamW optimizer(model.parameters(),
-                  {cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
-                   cfg.optimizer.weight_decay, cfg.optimizer.implementation == "fused"});
+  AdamW optimizer = AdamW::over(dp.optimizer_params(),
+                                {cfg.optimizer.beta1, cfg.optimizer.beta2, cfg.optimizer.eps,
+                                 cfg.optimizer.weight_decay,
+                                 cfg.optimizer.implementation == "fused"});
+  // What a checkpoint holds of the optimizer: all of it (ddp) or this rank's block (sharded,
+  // whose AdamW step count equals the optimizer steps taken: a skip advances neither).
+  at::Tensor shard_steps = at::zeros({}, at::kFloat);
+  auto optimizer_state = [&](int64_t optimizer_steps) -> OptimizerState {
+    if (!dp.sharded()) return {optimizer.state()};
+    shard_steps.fill_(static_cast<double>(optimizer_steps));
+    return {{{"exp_avg", dp.exp_avg_block()},
+             {"exp_avg_sq", dp.exp_avg_sq_block()},
+             {"step", shard_steps}},
+            true,
+            dp.shard_offset(),
+            dp.shard_length()};
+  };
   const LRScheduleOptions schedule{cfg.optimizer.lr, cfg.lr_scheduler.warmup_steps, tc.steps,
                                    cfg.lr_scheduler.decay_type, cfg.lr_scheduler.min_lr_factor};
 
@@ -327,7 +365,8 @@ TrainResult train(const Config& cfg) {
           ckpt.dir_of(want), fmt::join(available, ", ")));
     if (want < 0 && !available.empty()) want = available.back();
     if (want > 0) {
-      state = ckpt.load(want, model.parameters(), optimizer.state(), config_json);
+      state = ckpt.load(want, model.parameters(), optimizer_state(0), config_json);
+      if (dp.sharded()) optimizer.set_step_count(shard_steps.item<float>());
       sampler.set_position(state.data_position);
       if (!state.detector.empty()) detector.load_state(state.detector);
       log::info("resumed from {} (step {}, data position {})", ckpt.dir_of(want), state.step,
@@ -344,9 +383,14 @@ TrainResult train(const Config& cfg) {
       at::Tensor d = t.tensor.detach();
       comm->broadcast(d, 0);
     }
-  log::info("optimizer AdamW ({}), {} steps, global batch {} x {} x {} ranks x {} tokens, run "
-            "dir {}",
-            optimizer.fused() ? "fused" : "for-loop", tc.steps, tc.local_batch_size,
+  dp.gather_parameters(/*from_params=*/true);  // sharded: the master block from the parameters
+  log::info("optimizer AdamW ({}), {} data parallel{}, {} steps, global batch {} x {} x {} ranks "
+            "x {} tokens, run dir {}",
+            optimizer.fused() ? "fused" : "for-loop", dp.sharded() ? "sharded" : "ddp",
+            dp.sharded() ? fmt::format(" (this rank owns {} of {} parameters)",
+                                       dp.shard_length(), dp.total())
+                         : "",
+            tc.steps, tc.local_batch_size,
             tc.gradient_accumulation_steps, ranks.world_size, tc.seq_len, run_dir);
 
   MetricsWriter metrics(lead ? run_dir + "/metrics.jsonl" : "");
@@ -369,13 +413,11 @@ TrainResult train(const Config& cfg) {
   double interval_decision_s = 0;
 
   state.world_size = ranks.world_size;
-  auto save = [&] {
+  auto save = [&] {  // every rank takes part: it writes its shard, or waits for rank 0
     if (!cfg.checkpoint.enable) return;
-    if (lead) {  // ddp: every rank holds the same state, rank 0 writes it
-      auto dir = ckpt.save(state, model.parameters(), optimizer.state(), config_json);
-      log::info("checkpoint saved: {}", dir);
-    }
-    if (comm) comm->barrier();
+    auto dir = ckpt.save(state, model.parameters(), optimizer_state(state.optimizer_steps),
+                         config_json, comm.get());
+    log::info("checkpoint saved: {}", dir);
   };
 
   const double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -438,7 +480,7 @@ TrainResult train(const Config& cfg) {
       mine.local_sumsq = local.sumsq;
     }
     const auto sync_start = Clock::now();
-    grads.average();  // one all-reduce of the flat gradient buffer
+    dp.sync_gradients();  // one all-reduce (ddp) or reduce-scatter (sharded) of the flat buffer
     const auto sync_end = Clock::now();
     const GradCheckStats shard = GradCheck::read(check.run());
     mine.shard_nonfinite = shard.nonfinite;
@@ -508,7 +550,7 @@ TrainResult train(const Config& cfg) {
              {"sample_ids", step_ids},
              {"sample_losses", loss_list},
              {"top_params_scope", local_check ? "local" : "shard"},
-             {"top_params", top_params(grads.grads(), attribution, cfg.diagnostics.top_params)}}},
+             {"top_params", top_params(dp.grads(), attribution, cfg.diagnostics.top_params)}}},
            {"ranks", table},
            {"culprit_ranks", verdict.culprit_ranks},
            {"suspect_sample_ids", suspects},
@@ -552,7 +594,8 @@ TrainResult train(const Config& cfg) {
     if (skipped) found_inf = at::ones({}, options);
     if (clip < 1.0) grad_scale = at::empty({}, options).fill_(1.0 / clip);
     optimizer.step(lr, grad_scale, found_inf);
-    optimizer.zero_grad();
+    if (!skipped) dp.gather_parameters();  // sharded: every rank's updated block to all ranks
+    dp.zero_grad();
     detector.record(verdict);
     if (fault == "desync") {  // a silent divergence, for the verify_every tests
       at::Tensor w = model.parameters()[0].tensor.detach();
@@ -609,7 +652,10 @@ TrainResult train(const Config& cfg) {
                         (state.step % cfg.diagnostics.verify_every == 0 || last);
     if (verify) {
       std::vector<std::pair<std::string, std::string>> crcs;
-      const auto bad = diverging_ranks(model.parameters(), optimizer.state(), comm.get(), crcs);
+      // Sharded ranks hold different optimizer blocks by design: parameters only.
+      const auto bad = diverging_ranks(model.parameters(),
+                                       dp.sharded() ? std::vector<NamedTensor>{} : optimizer.state(),
+                                       comm.get(), crcs);
       if (!bad.empty()) {
         nlohmann::json table = nlohmann::json::array();
         for (size_t r = 0; r < crcs.size(); ++r)

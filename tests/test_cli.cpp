@@ -317,7 +317,7 @@ TEST(LockstepRun, BenchCommChecksEveryCollective) {
   EXPECT_NE(r.out.find("2 ranks"), std::string::npos) << r.out;
   EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n') >= 8, true) << r.out;
   EXPECT_EQ(r.out.find("WRONG"), std::string::npos) << r.out;
-  for (const char* op : {"all_reduce", "all_gather", "broadcast"})
+  for (const char* op : {"all_reduce", "reduce_scatter", "all_gather", "broadcast"})
     EXPECT_NE(r.out.find(std::string("[rank 0] ") + op), std::string::npos) << op;
   EXPECT_EQ(run("bench comm").code, 2);  // one rank: nothing to measure
 }

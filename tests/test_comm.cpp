@@ -54,6 +54,18 @@ TEST(CommGloo, CollectivesGiveExactValues) {
       at::Tensor out = at::empty({size, 4}, at::kLong);
       c.all_gather(in, out);
       for (int r = 0; r < size; ++r) EXPECT_EQ(out[r][3].item<int64_t>(), 100 * r + 3);
+
+      // Block b of rank r holds 1000 b + r (+ i): rank b receives the sum over r of that.
+      at::Tensor rs_in = at::empty({size * 3}, at::kFloat);
+      for (int b = 0; b < size; ++b)
+        for (int i = 0; i < 3; ++i)
+          rs_in[b * 3 + i].fill_(static_cast<float>(1000 * b + c.rank() + i));
+      at::Tensor rs_out = at::empty({3}, at::kFloat);
+      c.reduce_scatter_sum(rs_in, rs_out);
+      for (int i = 0; i < 3; ++i)
+        EXPECT_EQ(rs_out[i].item<float>(),
+                  static_cast<float>(size * (1000 * c.rank() + i) + size * (size - 1) / 2))
+            << "element " << i;
       c.barrier();
     });
   }
@@ -88,8 +100,16 @@ TEST(CommGloo, AMissingRankTimesOutInsteadOfHanging) {
 
 TEST(CommGloo, OtherBackendsAreNamed) {
   CommOptions o;
-  o.backend = "nccl";
+  o.backend = "ucc";
   EXPECT_THROW(make_comm_file_store("/tmp/unused", 0, 1, o), ConfigError);
+  if (nccl_available()) return;  // a CUDA build: tests/test_comm_nccl.cpp runs it on a GPU
+  o.backend = "nccl";
+  try {
+    make_comm_file_store("/tmp/unused", 0, 1, o);
+    FAIL() << "nccl without CUDA must be refused";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("LOCKSTEP_CUDA=OFF"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CommGloo, RendezvousThroughATcpStoreWithTorchrunPrefix) {

@@ -212,41 +212,22 @@ TEST(SkipRun, PoisonedSampleIsNamedAndAQuarantinedResumeNeverDrawsIt) {
 
 namespace {
 
-enum class Launcher { kLockstepRun, kMpirunMpi, kMpirunGloo, kTorchrun };
+using test::Launcher;
 
 // Runs `lockstep train` on `world` ranks under `launcher`; returns the launcher's result.
 test::CliRun run_ranks(int world, const std::string& dir, int steps, const std::string& extra,
                        Launcher launcher = Launcher::kLockstepRun,
                        const std::string& launcher_args = "") {
-  static int port_offset = 0;
-  const std::string port =
-      std::to_string(24000 + static_cast<int>((::getpid() * 7 + port_offset++) % 20000));
   std::string args;
   for (const auto& [k, v] : tiny(dir, steps)) args += " --" + k + " '" + v + "'";
-  args = std::string(LOCKSTEP_BIN) + " train" + args + " --checkpoint.enable false " + extra;
-  const std::string n = std::to_string(world);
-  switch (launcher) {
-    case Launcher::kLockstepRun:
-      return test::capture(std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " + n +
-                           " --master-port " + port + " " + launcher_args + " -- " + args);
-    case Launcher::kMpirunMpi:
-    case Launcher::kMpirunGloo:
-      return test::capture(
-          "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
-          " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + port + " " +
-          args + " --parallelism.backend " +
-          (launcher == Launcher::kMpirunMpi ? "mpi" : "gloo"));
-    case Launcher::kTorchrun:
-      return test::capture(std::string(TORCHRUN) + " --no-python --nproc-per-node " + n +
-                           " --master-port " + port + " " + launcher_args + " " + args);
-  }
-  return {1, "unknown launcher"};
+  return test::run_on_ranks(world, "train" + args + " --checkpoint.enable false " + extra,
+                            launcher, launcher_args);
 }
 
 // Random faults on random ranks: every rank decides the same at every step, the skips are
 // exactly the faulty steps, and the weights end bitwise equal on all ranks.
 void expect_agreement(int world, int steps, uint64_t seed,
-                      Launcher launcher = Launcher::kLockstepRun) {
+                      Launcher launcher = Launcher::kLockstepRun, const std::string& extra = "") {
   test::TempDir dir;
   const double p = 0.04;
   const std::string kinds = "nan_grad, inf_grad, nan_loss";
@@ -254,7 +235,7 @@ void expect_agreement(int world, int steps, uint64_t seed,
                      "--skip.grad_norm_zscore 0 --skip.loss_zscore 0 --skip.max_consecutive 0 "
                      "--skip.max_fraction 0 --fault.random_p " + std::to_string(p) +
                          " --fault.random_seed " + std::to_string(seed) +
-                         " --fault.random_kinds '" + kinds + "'",
+                         " --fault.random_kinds '" + kinds + "' " + extra,
                      launcher);
   ASSERT_EQ(r.code, 0) << r.out;
 
@@ -314,6 +295,11 @@ constexpr bool kMpi = false;
 TEST(SkipAgreement, FourRanksOverMpiUnderMpirun) {
   if (!kMpi) GTEST_SKIP() << "built without MPI (LOCKSTEP_MPI=OFF)";
   expect_agreement(4, 120, 9, Launcher::kMpirunMpi);
+}
+
+TEST(SkipAgreement, FourShardedRanksOverMpiUnderMpirun) {
+  if (!kMpi) GTEST_SKIP() << "built without MPI (LOCKSTEP_MPI=OFF)";
+  expect_agreement(4, 120, 7, Launcher::kMpirunMpi, "--parallelism.mode sharded");
 }
 
 TEST(SkipAgreement, TwoRanksOverGlooUnderMpirun) {

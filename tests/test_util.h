@@ -89,4 +89,36 @@ inline RunOutcome outcome(const std::string& run_dir, int ranks) {
   return o;
 }
 
+// The launchers the multi-process tests drive.
+enum class Launcher { kLockstepRun, kMpirunMpi, kMpirunGloo, kTorchrun };
+
+// A port for one multi-process run: spread by pid, different on each call.
+inline std::string next_port() {
+  static int offset = 0;
+  return std::to_string(24000 + static_cast<int>((::getpid() * 7 + offset++) % 20000));
+}
+
+// Runs `lockstep ARGS` on `world` ranks under `launcher` (mpirun: MPI or Gloo collectives);
+// returns the launcher's exit code and output. LOCKSTEP_BIN etc. come from tests/CMakeLists.
+inline CliRun run_on_ranks(int world, const std::string& args, Launcher launcher,
+                           const std::string& launcher_args = "") {
+  const std::string port = next_port(), n = std::to_string(world);
+  const std::string cmd = std::string(LOCKSTEP_BIN) + " " + args;
+  switch (launcher) {
+    case Launcher::kLockstepRun:
+      return capture(std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " + n +
+                     " --master-port " + port + " " + launcher_args + " -- " + cmd);
+    case Launcher::kMpirunMpi:
+    case Launcher::kMpirunGloo:
+      return capture("env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
+                     " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" +
+                     port + " " + cmd + " --parallelism.backend " +
+                     (launcher == Launcher::kMpirunMpi ? "mpi" : "gloo"));
+    case Launcher::kTorchrun:
+      return capture(std::string(TORCHRUN) + " --no-python --nproc-per-node " + n +
+                     " --master-port " + port + " " + launcher_args + " " + cmd);
+  }
+  return {1, "unknown launcher"};
+}
+
 }  // namespace lockstep::test

@@ -18,6 +18,8 @@ enum class Level { kDebug, kInfo, kWarn, kError };
 void init(int rank, const std::string& file = "", Level level = Level::kInfo,
           Level console_level = Level::kInfo);
 void write(Level level, std::string_view message);
+// To the per-rank file only (the error that ends a run: the console gets it from main).
+void write_file_only(Level level, std::string_view message);
 void flush();
 
 template <typename... A>

@@ -1,0 +1,117 @@
+// NCCL collectives through LibTorch c10d's ProcessGroupNCCL, one GPU per rank. Built with
+// LOCKSTEP_CUDA only: the one file that includes ProcessGroupNCCL (and nccl.h through it, the
+// nccl.h of the nvidia-nccl wheel that torch links). CPU tensors (the per-step stats vectors)
+// are staged through the GPU, since NCCL moves device memory only.
+#include <c10/cuda/CUDAGuard.h>
+#include <fmt/core.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include <chrono>
+
+#include "comm_store.h"
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+using std::chrono::milliseconds;
+
+milliseconds to_ms(double seconds) { return milliseconds(static_cast<int64_t>(seconds * 1e3)); }
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+class NcclComm final : public Comm {
+ public:
+  NcclComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const CommOptions& o)
+      : rank_(rank), size_(size), device_(c10::kCUDA, static_cast<c10::DeviceIndex>(o.cuda_device)),
+        timeout_(to_ms(o.train_timeout_seconds)) {
+    c10::cuda::set_device(device_.index());
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = timeout_;
+    try {
+      pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+    } catch (const std::exception& e) {
+      throw Error(ExitCode::kFailure, fmt::format("nccl setup failed for rank {} of {} on {}: {}",
+                                                  rank, size, device_.str(), first_line(e.what())));
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+
+  void all_reduce_sum(at::Tensor& t) override {
+    at::Tensor d = on_device(t);
+    std::vector<at::Tensor> v = {d};
+    wait(pg_->allreduce(v), "all_reduce");
+    back(d, t);
+  }
+  void broadcast(at::Tensor& t, int root) override {
+    at::Tensor d = on_device(t);
+    std::vector<at::Tensor> v = {d};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    wait(pg_->broadcast(v, o), "broadcast");
+    back(d, t);
+  }
+  void all_gather(const at::Tensor& in, at::Tensor& out) override {
+    at::Tensor din = on_device(in), dout = on_device(out);
+    std::vector<at::Tensor> outs;
+    for (int r = 0; r < size_; ++r) outs.push_back(dout.select(0, r));
+    std::vector<std::vector<at::Tensor>> o = {outs};
+    std::vector<at::Tensor> i = {din};
+    wait(pg_->allgather(o, i), "all_gather");
+    back(dout, out);
+  }
+  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) override {
+    const int64_t n = out.numel();
+    if (in.dim() != 1 || in.numel() != n * size_)
+      throw std::invalid_argument("nccl reduce_scatter: in must be flat with size() x out elements");
+    at::Tensor din = on_device(in), dout = on_device(out);
+    std::vector<at::Tensor> blocks;
+    for (int r = 0; r < size_; ++r) blocks.push_back(din.narrow(0, r * n, n));
+    std::vector<at::Tensor> o = {dout};
+    std::vector<std::vector<at::Tensor>> i = {blocks};
+    wait(pg_->reduce_scatter(o, i), "reduce_scatter");
+    back(dout, out);
+  }
+  void barrier() override {
+    c10d::BarrierOptions o;
+    o.device_ids = {device_.index()};
+    wait(pg_->barrier(o), "barrier");
+  }
+
+ private:
+  at::Tensor on_device(const at::Tensor& t) const { return t.is_cuda() ? t : t.to(device_); }
+  static void back(const at::Tensor& staged, const at::Tensor& t) {
+    if (!t.is_cuda()) t.copy_(staged);
+  }
+  // A wait with a timeout blocks the host until the collective is done: a lost rank gives an
+  // error naming the operation (and NCCL's watchdog tears the communicator down).
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
+    try {
+      work->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw Error(ExitCode::kFailure,
+                  fmt::format("nccl {} failed on rank {} of {} (timeout {} s; did a rank die or "
+                              "stall?): {}",
+                              op, rank_, size_, timeout_.count() / 1000.0, first_line(e.what())));
+    }
+  }
+
+  int rank_, size_;
+  c10::Device device_;
+  milliseconds timeout_;
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> pg_;
+};
+
+}  // namespace
+
+bool nccl_available() { return true; }
+
+std::unique_ptr<Comm> make_nccl_comm(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                     const CommOptions& options) {
+  return std::make_unique<NcclComm>(std::move(store), rank, size, options);
+}
+
+}  // namespace lockstep

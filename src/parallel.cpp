@@ -1,0 +1,93 @@
+#include "parallel.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
+
+namespace lockstep {
+
+DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, bool sharded)
+    : comm_(comm), sharded_(sharded), params_(params) {
+  world_ = comm_ ? comm_->size() : 1;
+  rank_ = comm_ ? comm_->rank() : 0;
+  for (const auto& p : params) total_ += p.tensor.numel();
+  block_ = (total_ + world_ - 1) / world_;
+  shard_offset_ = std::min<int64_t>(total_, rank_ * block_);
+  shard_length_ = std::min<int64_t>(block_, total_ - shard_offset_);
+
+  const auto options = params.at(0).tensor.options().requires_grad(false);
+  flat_grad_ = at::zeros({world_ * block_}, options);
+  if (sharded_) flat_param_ = at::zeros({world_ * block_}, options);
+  int64_t off = 0;
+  c10::AutoGradMode no_grad(false);
+  for (const auto& p : params) {
+    const int64_t n = p.tensor.numel();
+    at::Tensor view = flat_grad_.narrow(0, off, n).view(p.tensor.sizes());
+    p.tensor.mutable_grad() = view;
+    grads_.push_back({p.name, view});
+    if (sharded_) {
+      at::Tensor pv = flat_param_.narrow(0, off, n).view(p.tensor.sizes());
+      pv.copy_(p.tensor.detach());
+      p.tensor.set_data(pv);  // the parameter now lives in the flat buffer
+    }
+    off += n;
+  }
+  if (sharded_) {
+    master_ = flat_param_.narrow(0, rank_ * block_, block_).clone();  // fp32 master block
+    grad_block_ = at::empty({block_}, options);
+    exp_avg_ = at::zeros({shard_length_}, options);
+    exp_avg_sq_ = at::zeros({shard_length_}, options);
+  }
+}
+
+void DataParallel::sync_gradients() {
+  if (world_ == 1) return;
+  if (!sharded_) {
+    comm_->all_reduce_sum(flat_grad_);
+    flat_grad_.div_(static_cast<double>(world_));
+    return;
+  }
+  comm_->reduce_scatter_sum(flat_grad_, grad_block_);
+  flat_grad_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(world_));
+}
+
+std::vector<AdamWParam> DataParallel::optimizer_params() {
+  std::vector<AdamWParam> out;
+  if (!sharded_) {
+    for (const auto& p : params_)
+      out.push_back({p.name, p.tensor, {}, at::zeros_like(p.tensor), at::zeros_like(p.tensor),
+                     p.tensor.dim() >= 2});
+    return out;
+  }
+  // The parameters that intersect [shard_offset, shard_offset + shard_length).
+  int64_t off = 0;
+  for (const auto& p : params_) {
+    const int64_t n = p.tensor.numel();
+    const int64_t lo = std::max(off, shard_offset_);
+    const int64_t hi = std::min(off + n, shard_offset_ + shard_length_);
+    if (lo < hi) {
+      const int64_t at_block = lo - rank_ * block_;
+      out.push_back({p.name, master_.narrow(0, at_block, hi - lo),
+                     flat_grad_.narrow(0, lo, hi - lo), exp_avg_.narrow(0, at_block, hi - lo),
+                     exp_avg_sq_.narrow(0, at_block, hi - lo), p.tensor.dim() >= 2});
+    }
+    off += n;
+  }
+  return out;
+}
+
+void DataParallel::gather_parameters(bool from_params) {
+  if (!sharded_) return;
+  if (from_params) master_.copy_(flat_param_.narrow(0, rank_ * block_, block_));
+  if (world_ == 1) {
+    flat_param_.copy_(master_);
+    return;
+  }
+  at::Tensor out = flat_param_.view({world_, block_});
+  comm_->all_gather(master_, out);
+}
+
+void DataParallel::zero_grad() { flat_grad_.zero_(); }
+
+}  // namespace lockstep
