@@ -1,0 +1,104 @@
+// The multi-rank GPU path (label `gpu`; skips without a GPU): NCCL collectives through c10d
+// with exact values, and training on one GPU, on two ranks sharing one GPU over Gloo (NCCL
+// refuses two ranks on one device), and over NCCL when two GPUs are visible.
+#include <ATen/Context.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <gtest/gtest.h>
+
+#include "comm.h"
+#include "test_util.h"
+
+using namespace lockstep;
+
+namespace {
+
+std::string train_args(const std::string& dir, const std::string& extra) {
+  return "train --job.dump_folder " + dir +
+         " --training.device cuda --training.steps 12 --model.dim 64 --model.n_heads 2"
+         " --model.n_layers 2 --model.max_seq_len 64 --training.seq_len 64 --metrics.log_freq 1"
+         " --checkpoint.interval 6 --diagnostics.verify_every 4 --skip.enabled true " + extra;
+}
+
+// Rank 1's gradient turns NaN at step 5: every rank must skip it.
+const std::string kFault = " --fault.inject 'nan_grad@5:1'";
+
+// Every rank ends with the same weights, the injected NaN was skipped, the loss fell.
+void expect_trained(const std::string& dir, int ranks) {
+  const auto o = test::outcome(dir, ranks);
+  ASSERT_EQ(o.losses.size(), 12u);
+  EXPECT_LT(o.losses.back(), o.losses.front());
+  for (const auto& c : o.crcs) {
+    EXPECT_EQ(c.size(), 8u);
+    EXPECT_EQ(c, o.crcs[0]) << "ranks hold different weights";
+  }
+  const auto m = test::read_jsonl(dir + "/metrics.jsonl");
+  EXPECT_EQ(m.back()["skipped_steps"], ranks > 1 ? 1 : 0);
+}
+
+}  // namespace
+
+TEST(NcclComm, CollectivesGiveExactValuesOnOneGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  ASSERT_TRUE(nccl_available());
+  test::TempDir dir;
+  CommOptions o;
+  o.backend = "nccl";
+  auto c = make_comm_file_store(dir / "store", 0, 1, o);
+  EXPECT_EQ(c->backend(), "nccl");
+  const auto cuda = at::TensorOptions().device(at::kCUDA, 0);
+  at::Tensor t = at::full({5}, 3.0, cuda.dtype(at::kFloat));
+  c->all_reduce_sum(t);
+  EXPECT_EQ(t[4].item<float>(), 3.0f);
+  at::Tensor host = at::full({2}, 7.0, at::kDouble);  // staged through the GPU
+  c->all_reduce_sum(host);
+  EXPECT_TRUE(host.is_cpu());
+  EXPECT_EQ(host[1].item<double>(), 7.0);
+  at::Tensor in = at::arange(4, cuda.dtype(at::kLong)), out = at::empty({1, 4}, cuda.dtype(at::kLong));
+  c->all_gather(in, out);
+  EXPECT_EQ(out[0][3].item<int64_t>(), 3);
+  at::Tensor rs_in = at::arange(6, cuda.dtype(at::kFloat)), rs_out = at::empty({6}, cuda.dtype(at::kFloat));
+  c->reduce_scatter_sum(rs_in, rs_out);
+  EXPECT_EQ(rs_out[5].item<float>(), 5.0f);
+  c->broadcast(t, 0);
+  c->barrier();
+}
+
+TEST(GpuTraining, OneRankOnOneGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  test::TempDir dir;
+  auto r = test::capture(std::string(LOCKSTEP_BIN) + " " + train_args(dir / "run", ""));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("device cuda:0"), std::string::npos) << r.out;
+  expect_trained(dir / "run", 1);
+}
+
+TEST(GpuTraining, TwoRanksSharingOneGpuOverGloo) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  for (const char* mode : {"ddp", "sharded"}) {
+    SCOPED_TRACE(mode);
+    test::TempDir dir;
+    auto r = test::run_on_ranks(
+        2,
+        train_args(dir / "run", std::string("--parallelism.backend gloo --parallelism.mode ") + mode +
+                                    " --training.local_batch_size 4" + kFault),
+        test::Launcher::kLockstepRun, "");
+    ASSERT_EQ(r.code, 0) << r.out;
+    expect_trained(dir / "run", 2);
+  }
+}
+
+TEST(GpuTraining, TwoRanksOverNcclOnTwoGpus) {
+  if (!at::hasCUDA() || at::getNumGPUs() < 2) GTEST_SKIP() << "needs two GPUs";
+  for (const char* mode : {"ddp", "sharded"}) {
+    SCOPED_TRACE(mode);
+    test::TempDir dir;
+    auto r = test::run_on_ranks(
+        2, train_args(dir / "run", std::string("--parallelism.mode ") + mode + kFault),
+        test::Launcher::kLockstepRun, "");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(test::read_text(dir / "run/logs/rank0.log").find("nccl collectives"), std::string::npos);
+    expect_trained(dir / "run", 2);
+  }
+}

@@ -1,0 +1,186 @@
+// kill -9 of one rank at a random moment (forward, a collective, a checkpoint write: with a
+// checkpoint every step, kills land in all of them) under each launcher: every other process
+// exits non-zero within comm.train_timeout_seconds + 10 s, the launcher names the lost rank,
+// no process of the job is left behind, and the latest complete checkpoint loads.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "test_util.h"
+
+using namespace lockstep;
+using test::Launcher;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kTimeout = 20;  // comm.train_timeout_seconds
+
+// The processes whose command line mentions `marker`, with their rank (from the launcher's
+// environment variables), excluding the launchers themselves.
+std::vector<std::pair<pid_t, int>> job_processes(const std::string& marker) {
+  std::vector<std::pair<pid_t, int>> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string cmd = test::read_text(e.path().string() + "/cmdline");
+    if (cmd.find(marker) == std::string::npos) continue;
+    const std::string exe = cmd.substr(0, cmd.find('\0'));
+    if (exe.size() < 9 || exe.compare(exe.size() - 9, 9, "/lockstep") != 0) continue;
+    const std::string env = test::read_text(e.path().string() + "/environ");
+    int rank = -1;
+    for (size_t at = 0; at < env.size();) {
+      const size_t end = env.find('\0', at);
+      const std::string kv = env.substr(at, end - at);
+      for (const char* key : {"RANK=", "OMPI_COMM_WORLD_RANK="})
+        if (kv.rfind(key, 0) == 0) rank = std::stoi(kv.substr(std::strlen(key)));
+      if (end == std::string::npos) break;
+      at = end + 1;
+    }
+    out.emplace_back(static_cast<pid_t>(std::stoi(name)), rank);
+  }
+  return out;
+}
+
+std::string launch_command(Launcher l, int world, const std::string& args) {
+  const std::string n = std::to_string(world), port = test::next_port();
+  const std::string bin = LOCKSTEP_BIN;
+  switch (l) {
+    case Launcher::kLockstepRun:
+      return std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " + n + " --master-port " + port +
+             " -- " + bin + " " + args;
+    case Launcher::kMpirunMpi:
+    case Launcher::kMpirunGloo:
+      return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
+             " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + port +
+             " " + bin + " " + args + " --parallelism.backend " +
+             (l == Launcher::kMpirunMpi ? "mpi" : "gloo");
+    case Launcher::kTorchrun:
+      return std::string(TORCHRUN) + " --no-python --nproc-per-node " + n + " --master-port " +
+             port + " " + bin + " " + args;
+  }
+  return "";
+}
+
+struct KillResult {
+  int launcher_status = 0;
+  double seconds_to_exit = 0;
+  int victim = -1;
+  std::string output;
+};
+
+// Starts the job, waits for `steps_before` logged steps plus `delay_ms`, kills one rank.
+KillResult kill_one_rank(Launcher l, int world, const std::string& dir, int victim,
+                         int steps_before, int delay_ms) {
+  const std::string args =
+      "train --job.dump_folder " + dir + " --training.steps 100000 --training.threads 1"
+      " --model.dim 32 --model.n_heads 2 --model.n_layers 2 --model.max_seq_len 32"
+      " --training.seq_len 32 --metrics.log_freq 1 --checkpoint.interval 1"
+      " --checkpoint.keep_latest_k 2 --comm.train_timeout_seconds " + std::to_string(kTimeout);
+  const std::string log = dir + ".out";
+  const std::string cmd = "exec " + launch_command(l, world, args) + " >" + log + " 2>&1";
+  const pid_t launcher = ::fork();
+  if (launcher == 0) {
+    ::setpgid(0, 0);
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+    ::_exit(127);
+  }
+  KillResult r;
+  r.victim = victim;
+  const auto give_up = Clock::now() + std::chrono::seconds(60);
+  auto lines = [&] {
+    std::ifstream in(dir + "/metrics.jsonl");
+    return static_cast<int>(std::count(std::istreambuf_iterator<char>(in),
+                                       std::istreambuf_iterator<char>(), '\n'));
+  };
+  while (lines() < steps_before && Clock::now() < give_up)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  pid_t target = 0;
+  for (const auto& [pid, rank] : job_processes(dir))
+    if (rank == victim) target = pid;
+  if (target == 0) {
+    ::kill(-launcher, SIGKILL);
+    ::waitpid(launcher, nullptr, 0);
+    r.output = "no process of rank " + std::to_string(victim) + " found; " + test::read_text(log);
+    return r;
+  }
+  ::kill(target, SIGKILL);
+  const auto killed = Clock::now();
+  int status = 0;
+  while (::waitpid(launcher, &status, WNOHANG) == 0) {
+    if (Clock::now() - killed > std::chrono::seconds(kTimeout + 30)) {
+      ::kill(-launcher, SIGKILL);
+      ::waitpid(launcher, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  r.seconds_to_exit = std::chrono::duration<double>(Clock::now() - killed).count();
+  r.launcher_status = status;
+  r.output = test::read_text(log);
+  return r;
+}
+
+void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
+  const unsigned seed = static_cast<unsigned>(std::random_device{}());
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int world = 2;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    test::TempDir dir;
+    const int victim = static_cast<int>(rng() % world);
+    const int steps = 2 + static_cast<int>(rng() % 6), delay = static_cast<int>(rng() % 40);
+    SCOPED_TRACE("kill rank " + std::to_string(victim) + " after " + std::to_string(steps) +
+                 " steps + " + std::to_string(delay) + " ms");
+    const KillResult r = kill_one_rank(l, world, dir / "run", victim, steps, delay);
+    ASSERT_GT(r.seconds_to_exit, 0) << r.output;
+    std::printf("killed rank %d after %d steps + %d ms: the job exited %.2f s later\n", victim,
+                steps, delay, r.seconds_to_exit);
+    EXPECT_FALSE(WIFEXITED(r.launcher_status) && WEXITSTATUS(r.launcher_status) == 0) << r.output;
+    EXPECT_LT(r.seconds_to_exit, kTimeout + 10) << r.output;
+    std::string pattern;  // every 'R' stands for the victim's rank
+    for (char c : lost_rank_pattern) pattern += c == 'R' ? std::to_string(victim) : std::string(1, c);
+    EXPECT_NE(r.output.find(pattern), std::string::npos) << "the lost rank is named\n" << r.output;
+    // Nothing left running (a moment for the kernel to reap).
+    std::vector<std::pair<pid_t, int>> left;
+    for (int i = 0; i < 200 && !(left = job_processes(dir.path())).empty(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_TRUE(left.empty()) << left.size() << " orphan process(es), e.g. pid " << left[0].first;
+    // The latest complete checkpoint loads and checks out.
+    auto info = test::capture(std::string(LOCKSTEP_BIN) + " checkpoint info " + dir / "run/checkpoint");
+    EXPECT_EQ(info.code, 0) << info.out;
+    EXPECT_EQ(info.out.find("MISMATCH"), std::string::npos) << info.out;
+  }
+}
+
+}  // namespace
+
+TEST(KillRank, UnderLockstepRun) {
+  expect_survives_kills(Launcher::kLockstepRun, "worker rank R ");
+}
+
+TEST(KillRank, UnderMpirunWithMpiCollectives) {
+#if !LOCKSTEP_WITH_MPI
+  GTEST_SKIP() << "built without MPI";
+#endif
+  expect_survives_kills(Launcher::kMpirunMpi, "rank R with PID");
+}
+
+TEST(KillRank, UnderMpirunWithGlooCollectives) {
+  expect_survives_kills(Launcher::kMpirunGloo, "rank R with PID");
+}
+
+TEST(KillRank, UnderTorchrun) {
+  if (std::string(TORCHRUN).empty()) GTEST_SKIP() << "no torchrun found at configure time";
+  expect_survives_kills(Launcher::kTorchrun, "rank      : R (local_rank: R)\n  exitcode  : -9");
+}
