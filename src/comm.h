@@ -10,7 +10,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "lockstep/ranks.h"
 
@@ -33,10 +35,26 @@ class Comm {
   // throws an Error that names it (a lost rank never hangs the others).
   virtual void all_reduce_sum(at::Tensor& t) = 0;                     // in place
   virtual void broadcast(at::Tensor& t, int root) = 0;                 // in place
-  virtual void all_gather(const at::Tensor& in, at::Tensor& out) = 0;  // out: size() x in
-  // `in` is flat with size() x out.numel() elements; rank r's `out` receives the sum over all
-  // ranks of block r of `in` (the gradient sync of the sharded mode).
-  virtual void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) = 0;
+  // out[r] (one per rank, each like `in`) receives rank r's `in`.
+  virtual void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) = 0;
+  // in[r] (one per rank, each like `out`): rank r's `out` receives the sum over all ranks of
+  // their in[r] (the gradient sync of the sharded mode).
+  virtual void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) = 0;
+
+  // The same on flat buffers: out is size() x in; in holds size() blocks of out.numel().
+  void all_gather(const at::Tensor& in, at::Tensor& out) {
+    std::vector<at::Tensor> outs;
+    for (int r = 0; r < size(); ++r) outs.push_back(out.select(0, r));
+    all_gather(in, outs);
+  }
+  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) {
+    const int64_t n = out.numel();
+    if (in.dim() != 1 || in.numel() != n * size())
+      throw std::invalid_argument("reduce_scatter: in must be flat with size() x out elements");
+    std::vector<at::Tensor> blocks;
+    for (int r = 0; r < size(); ++r) blocks.push_back(in.narrow(0, r * n, n));
+    reduce_scatter_sum(blocks, out);
+  }
   virtual void barrier() = 0;
 };
 

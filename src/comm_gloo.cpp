@@ -66,22 +66,20 @@ class GlooComm final : public Comm {
     wait(pg_->broadcast(v, o), "broadcast");
     back(h, t);
   }
-  void all_gather(const at::Tensor& in, at::Tensor& out) override {
-    at::Tensor hin = host(in), hout = host(out);
-    std::vector<at::Tensor> outs;
-    for (int r = 0; r < size_; ++r) outs.push_back(hout.select(0, r));
-    std::vector<std::vector<at::Tensor>> o = {outs};
-    std::vector<at::Tensor> i = {hin};
+  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) override {
+    check_count(out.size(), "all_gather");
+    std::vector<at::Tensor> hout;
+    for (const auto& t : out) hout.push_back(host(t));
+    std::vector<std::vector<at::Tensor>> o = {hout};
+    std::vector<at::Tensor> i = {host(in)};
     wait(pg_->allgather(o, i), "all_gather");
-    back(hout, out);
+    for (size_t r = 0; r < out.size(); ++r) back(hout[r], out[r]);
   }
-  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) override {
-    const int64_t n = out.numel();
-    if (in.dim() != 1 || in.numel() != n * size_)
-      throw std::invalid_argument("gloo reduce_scatter: in must be flat with size() x out elements");
-    at::Tensor hin = host(in), hout = host(out);
+  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) override {
+    check_count(in.size(), "reduce_scatter");
     std::vector<at::Tensor> blocks;
-    for (int r = 0; r < size_; ++r) blocks.push_back(hin.narrow(0, r * n, n));
+    for (const auto& t : in) blocks.push_back(host(t));
+    at::Tensor hout = host(out);
     std::vector<at::Tensor> o = {hout};
     std::vector<std::vector<at::Tensor>> i = {blocks};
     wait(pg_->reduce_scatter(o, i), "reduce_scatter");
@@ -90,6 +88,10 @@ class GlooComm final : public Comm {
   void barrier() override { wait(pg_->barrier(), "barrier"); }
 
  private:
+  void check_count(size_t n, const char* op) const {
+    if (static_cast<int>(n) != size_)
+      throw std::invalid_argument(fmt::format("gloo {}: {} tensors for {} ranks", op, n, size_));
+  }
   static at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
   static void back(const at::Tensor& staged, const at::Tensor& t) {
     if (!t.is_cpu()) t.copy_(staged);

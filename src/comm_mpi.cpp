@@ -2,6 +2,7 @@
 // includes mpi.h. Collectives are the non-blocking MPI calls completed under a deadline, so a
 // lost rank gives an error naming the operation instead of a hang (MPI itself has no timeout).
 #include <fmt/core.h>
+#include <ATen/ops/empty.h>
 #include <mpi.h>
 
 #include <chrono>
@@ -75,23 +76,38 @@ class MpiComm final : public Comm {
     wait(req, "broadcast");
     back(h, t);
   }
-  void all_gather(const at::Tensor& in, at::Tensor& out) override {
-    at::Tensor hin = host(in, "all_gather"), hout = host(out, "all_gather");
-    if (hout.numel() != hin.numel() * size_)
-      throw std::invalid_argument("mpi all_gather: out must hold size() x in elements");
+  // MPI wants one contiguous buffer for the ranks' blocks: the list is staged through one
+  // unless its tensors already lie back to back.
+  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) override {
+    at::Tensor hin = host(in, "all_gather");
+    at::Tensor hout = contiguous_run(out) ? out[0].as_strided({hin.numel() * size_}, {1})
+                                          : at::empty({size_, hin.numel()}, hin.options());
+    hout = host(hout, "all_gather");
     MPI_Request req;
     const MPI_Datatype ty = mpi_type(hin, "all_gather");
     MPI_Iallgather(hin.data_ptr(), static_cast<int>(hin.numel()), ty, hout.data_ptr(),
                    static_cast<int>(hin.numel()), ty, comm_, &req);
     wait(req, "all_gather");
-    back(hout, out);
+    const at::Tensor flat = hout.view({size_, hin.numel()});
+    for (int r = 0; r < size_; ++r)
+      if (out[r].data_ptr() != flat.select(0, r).data_ptr() || !out[r].is_cpu())
+        out[r].view({-1}).copy_(flat.select(0, r));
   }
-  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) override {
-    at::Tensor hin = host(in, "reduce_scatter"), hout = host(out, "reduce_scatter");
-    if (hin.numel() != hout.numel() * size_ || hin.scalar_type() != hout.scalar_type())
-      throw std::invalid_argument("mpi reduce_scatter: in must hold size() x out elements");
+  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) override {
+    if (static_cast<int>(in.size()) != size_)
+      throw std::invalid_argument("mpi reduce_scatter: one input block per rank");
+    const int64_t n = out.numel();
+    at::Tensor hin;
+    if (contiguous_run(in)) {
+      hin = in[0].as_strided({n * size_}, {1});
+    } else {
+      hin = at::empty({size_, n}, out.options().device(at::kCPU));
+      for (int r = 0; r < size_; ++r) hin.select(0, r).copy_(in[r].view({-1}));
+    }
+    hin = host(hin, "reduce_scatter");
+    at::Tensor hout = host(out, "reduce_scatter");
     MPI_Request req;
-    MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(hout.numel()),
+    MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(n),
                               mpi_type(hout, "reduce_scatter"), MPI_SUM, comm_, &req);
     wait(req, "reduce_scatter");
     back(hout, out);
@@ -113,6 +129,16 @@ class MpiComm final : public Comm {
   }
   static void back(const at::Tensor& staged, const at::Tensor& t) {
     if (!t.is_cpu()) t.copy_(staged);
+  }
+  // The tensors are contiguous and follow each other in one storage without gaps.
+  static bool contiguous_run(const std::vector<at::Tensor>& ts) {
+    for (size_t i = 0; i < ts.size(); ++i) {
+      if (!ts[i].is_contiguous() || !ts[i].is_cpu()) return false;
+      if (i > 0 && static_cast<const char*>(ts[i].data_ptr()) !=
+                       static_cast<const char*>(ts[i - 1].data_ptr()) + ts[i - 1].nbytes())
+        return false;
+    }
+    return !ts.empty();
   }
   // Completes `req` or throws naming `op` once train_timeout_seconds have passed. Spins first
   // (small collectives finish in microseconds), then polls gently so a waiting rank does not

@@ -54,22 +54,18 @@ class NcclComm final : public Comm {
     wait(pg_->broadcast(v, o), "broadcast");
     back(d, t);
   }
-  void all_gather(const at::Tensor& in, at::Tensor& out) override {
-    at::Tensor din = on_device(in), dout = on_device(out);
-    std::vector<at::Tensor> outs;
-    for (int r = 0; r < size_; ++r) outs.push_back(dout.select(0, r));
-    std::vector<std::vector<at::Tensor>> o = {outs};
-    std::vector<at::Tensor> i = {din};
+  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) override {
+    std::vector<at::Tensor> dout;
+    for (const auto& t : out) dout.push_back(on_device(t));
+    std::vector<std::vector<at::Tensor>> o = {dout};
+    std::vector<at::Tensor> i = {on_device(in)};
     wait(pg_->allgather(o, i), "all_gather");
-    back(dout, out);
+    for (size_t r = 0; r < out.size(); ++r) back(dout[r], out[r]);
   }
-  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) override {
-    const int64_t n = out.numel();
-    if (in.dim() != 1 || in.numel() != n * size_)
-      throw std::invalid_argument("nccl reduce_scatter: in must be flat with size() x out elements");
-    at::Tensor din = on_device(in), dout = on_device(out);
+  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) override {
     std::vector<at::Tensor> blocks;
-    for (int r = 0; r < size_; ++r) blocks.push_back(din.narrow(0, r * n, n));
+    for (const auto& t : in) blocks.push_back(on_device(t));
+    at::Tensor dout = on_device(out);
     std::vector<at::Tensor> o = {dout};
     std::vector<std::vector<at::Tensor>> i = {blocks};
     wait(pg_->reduce_scatter(o, i), "reduce_scatter");

@@ -211,6 +211,10 @@ const std::vector<Field>& fields() {
                              "sharded (ZeRO-2): gradients reduce-scattered, each rank keeps and "
                              "updates 1/W of the master weights and AdamW state, parameters "
                              "all-gathered"));
+    t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism,
+                            &ParallelismConfig::bucket_mb, 0, true, 1 << 16,
+                            "sharded: MiB moved per reduce-scatter / all-gather call (all ranks' "
+                            "blocks together); bounds the backends' staging buffers"));
     // [comm]
     t.push_back(float_field("comm", "init_timeout_seconds", &C::comm,
                             &CommConfig::init_timeout_seconds, 0, true, 86400,

@@ -5,10 +5,34 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <string>
+#include <unistd.h>
 
 #include "lockstep/error.h"
 
 namespace lockstep {
+
+double resident_mib() {
+  std::ifstream in("/proc/self/statm");
+  long long size = 0, resident = 0;
+  if (!(in >> size >> resident)) return 0;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / 1048576.0;
+}
+
+double peak_resident_mib() {
+  std::ifstream in("/proc/self/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "VmHWM:") {
+      double kib = 0;
+      in >> kib;
+      return kib / 1024.0;
+    }
+    in.ignore(1 << 16, '\n');
+  }
+  return 0;
+}
 
 nlohmann::json json_number(double v) {
   if (std::isnan(v)) return "NaN";

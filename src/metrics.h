@@ -12,6 +12,10 @@ namespace lockstep {
 // "Infinity" or "-Infinity"; finite numbers stay numbers.
 nlohmann::json json_number(double v);
 
+// This process's resident memory now and at its peak, in MiB (Linux /proc; 0 elsewhere).
+double resident_mib();
+double peak_resident_mib();
+
 class MetricsWriter {
  public:
   // Appends to `path` (a resumed run continues the same file). Empty path: no file.

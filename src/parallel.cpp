@@ -7,7 +7,8 @@
 
 namespace lockstep {
 
-DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, bool sharded)
+DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, bool sharded,
+                           int64_t bucket_bytes)
     : comm_(comm), sharded_(sharded), params_(params) {
   world_ = comm_ ? comm_->size() : 1;
   rank_ = comm_ ? comm_->rank() : 0;
@@ -15,10 +16,16 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, b
   block_ = (total_ + world_ - 1) / world_;
   shard_offset_ = std::min<int64_t>(total_, rank_ * block_);
   shard_length_ = std::min<int64_t>(block_, total_ - shard_offset_);
+  bucket_ = std::max<int64_t>(1, bucket_bytes / 4 / world_);
 
   const auto options = params.at(0).tensor.options().requires_grad(false);
   flat_grad_ = at::zeros({world_ * block_}, options);
-  if (sharded_) flat_param_ = at::zeros({world_ * block_}, options);
+  if (sharded_) {
+    // Pages are touched parameter by parameter below, each old storage freed right after its
+    // copy: setup never holds two copies of the model.
+    flat_param_ = at::empty({world_ * block_}, options);
+    flat_param_.narrow(0, total_, world_ * block_ - total_).zero_();  // the padding
+  }
   int64_t off = 0;
   c10::AutoGradMode no_grad(false);
   for (const auto& p : params) {
@@ -48,7 +55,13 @@ void DataParallel::sync_gradients() {
     flat_grad_.div_(static_cast<double>(world_));
     return;
   }
-  comm_->reduce_scatter_sum(flat_grad_, grad_block_);
+  for (int64_t at = 0; at < block_; at += bucket_) {
+    const int64_t n = std::min(bucket_, block_ - at);
+    std::vector<at::Tensor> in;
+    for (int r = 0; r < world_; ++r) in.push_back(flat_grad_.narrow(0, r * block_ + at, n));
+    at::Tensor out = grad_block_.narrow(0, at, n);
+    comm_->reduce_scatter_sum(in, out);
+  }
   flat_grad_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(world_));
 }
 
@@ -84,8 +97,12 @@ void DataParallel::gather_parameters(bool from_params) {
     flat_param_.copy_(master_);
     return;
   }
-  at::Tensor out = flat_param_.view({world_, block_});
-  comm_->all_gather(master_, out);
+  for (int64_t at = 0; at < block_; at += bucket_) {
+    const int64_t n = std::min(bucket_, block_ - at);
+    std::vector<at::Tensor> out;
+    for (int r = 0; r < world_; ++r) out.push_back(flat_param_.narrow(0, r * block_ + at, n));
+    comm_->all_gather(master_.narrow(0, at, n), out);
+  }
 }
 
 void DataParallel::zero_grad() { flat_grad_.zero_(); }

@@ -24,9 +24,13 @@ namespace lockstep {
 
 class DataParallel {
  public:
+
   // `comm` may be null (one rank). In sharded mode the parameters are moved into the flat
-  // parameter buffer (their values are kept).
-  DataParallel(const std::vector<NamedTensor>& params, Comm* comm, bool sharded);
+  // parameter buffer (their values are kept), and the collectives move at most `bucket_bytes`
+  // per call (all ranks' blocks together), so the backends' staging buffers (Gloo flattens
+  // its list arguments) stay that small.
+  DataParallel(const std::vector<NamedTensor>& params, Comm* comm, bool sharded,
+               int64_t bucket_bytes = 16 << 20);
 
   bool sharded() const { return sharded_; }
 
@@ -61,7 +65,7 @@ class DataParallel {
   Comm* comm_;
   bool sharded_;
   int world_ = 1, rank_ = 0;
-  int64_t total_ = 0, block_ = 0;
+  int64_t total_ = 0, block_ = 0, bucket_ = 1;  // bucket_: elements per rank per call
   at::Tensor flat_grad_;                          // W x block (padded)
   at::Tensor flat_param_, master_, grad_block_;   // sharded only
   at::Tensor exp_avg_, exp_avg_sq_;               // sharded only, shard_length each

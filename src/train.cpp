@@ -324,7 +324,8 @@ static TrainResult train_run(const Config& cfg) {
   Gpt model(cfg.model, static_cast<uint64_t>(tc.seed), device);
   // Gradients live in one flat buffer (one all-reduce, or one reduce-scatter when sharded);
   // this rank checks its 1/W block, the one it owns in the sharded mode.
-  DataParallel dp(model.parameters(), comm.get(), cfg.parallelism.mode == "sharded");
+  DataParallel dp(model.parameters(), comm.get(), cfg.parallelism.mode == "sharded",
+                  static_cast<int64_t>(cfg.parallelism.bucket_mb * 1048576.0));
   GradCheck check(dp.grads(), dp.shard_offset(), dp.shard_length());
   // [A] this rank's own gradient before the sync: names the culprit rank and parameters.
   std::unique_ptr<GradCheck> local_check;
@@ -384,6 +385,8 @@ static TrainResult train_run(const Config& cfg) {
       comm->broadcast(d, 0);
     }
   dp.gather_parameters(/*from_params=*/true);  // sharded: the master block from the parameters
+  log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB)", resident_mib(),
+            peak_resident_mib());
   log::info("optimizer AdamW ({}), {} data parallel{}, {} steps, global batch {} x {} x {} ranks "
             "x {} tokens, run dir {}",
             optimizer.fused() ? "fused" : "for-loop", dp.sharded() ? "sharded" : "ddp",
@@ -643,6 +646,7 @@ static TrainResult train_run(const Config& cfg) {
                      {"grad_norm_std", json_number(detector.grad_norms().stddev())},
                      {"loss_mean", json_number(detector.losses().mean())},
                      {"loss_std", json_number(detector.losses().stddev())},
+                     {"rss_mib", resident_mib()},
                      {"elapsed_s", std::chrono::duration<double>(now - run_start).count()}});
       interval_start = now;
       interval_steps = 0;
@@ -708,10 +712,10 @@ static TrainResult train_run(const Config& cfg) {
   result.skipped_steps = state.skipped_steps;
   result.tokens_per_second = ran > 0 ? static_cast<double>(ran * tokens_per_step) / total : 0.0;
   if (ran > 0)
-    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}, {} skipped, "
-              "parameters crc32 {}",
+    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}, {} skipped, peak "
+              "resident memory {:.0f} MiB, parameters crc32 {}",
               ran, total, result.tokens_per_second, result.losses.back(), state.skipped_steps,
-              tensors_crc32(model.parameters()));
+              peak_resident_mib(), tensors_crc32(model.parameters()));
   else
     log::info("nothing to do: the run is already at step {} of {}", state.step, tc.steps);
   log::flush();

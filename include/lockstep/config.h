@@ -77,8 +77,9 @@ struct DataConfig {
 };
 
 struct ParallelismConfig {
-  std::string backend = "auto";  // auto | gloo | mpi (auto: gloo on CPUs)
-  std::string mode = "ddp";      // ddp: replicated parameters, averaged gradients
+  std::string backend = "auto";  // auto | gloo | mpi | nccl (auto: nccl on GPUs, gloo on CPUs)
+  std::string mode = "ddp";      // ddp | sharded (ZeRO-2)
+  double bucket_mb = 16;         // sharded: MiB per reduce-scatter / all-gather call
 };
 
 struct CommConfig {
