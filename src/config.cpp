@@ -22,6 +22,26 @@
 namespace lockstep {
 namespace {
 
+// Well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
+bool valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    int n = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
+    if (n < 0 || i + static_cast<size_t>(n) >= s.size()) return false;  // bad lead, cut short
+    uint32_t cp = n == 0 ? c : c & (0x3F >> n);
+    for (int k = 1; k <= n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d >> 6) != 0x2) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    static constexpr uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += static_cast<size_t>(n) + 1;
+  }
+  return true;
+}
+
 using Value = std::variant<int64_t, double, bool, std::string>;
 
 enum class Type { kInt, kFloat, kBool, kString, kChoice };
@@ -402,6 +422,18 @@ std::string value_text(const Value& v) {
 
 // Range and choice checks shared by the file and command-line paths.
 void check_and_set(Config& c, const Field& f, const Value& v, const std::string& where) {
+  if (const auto* text = std::get_if<std::string>(&v)) {
+    // Paths, names and specs: UTF-8 (config.toml must hold them) without control characters.
+    if (!valid_utf8(*text))
+      throw ConfigError(fmt::format("invalid value for '{}' {}: not valid UTF-8 text; write the "
+                                    "value in UTF-8",
+                                    f.name(), where));
+    if (std::any_of(text->begin(), text->end(),
+                    [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f; }))
+      throw ConfigError(fmt::format("invalid value for '{}' {}: contains a control character "
+                                    "(newline, tab, NUL, ...); remove it",
+                                    f.name(), where));
+  }
   if (f.type == Type::kInt || f.type == Type::kFloat) {
     double x = f.type == Type::kInt ? static_cast<double>(std::get<int64_t>(v))
                                     : std::get<double>(v);
@@ -620,6 +652,7 @@ Config load_config(std::string_view toml_text, const std::string& origin,
     std::string where = fmt::format("(from --{})", name);
     const Field* f = find_field(name);
     if (!f) throw ConfigError(unknown_key_message(name, "on the command line"));
+
     check_and_set(c, *f, from_text(*f, text, where), where);
   }
   validate_cross(c);

@@ -6,6 +6,10 @@
 
 namespace lockstep {
 
+inline std::string fmt_cut_suffix(size_t total) {
+  return " ... (message cut, " + std::to_string(total) + " bytes in all)";
+}
+
 // Process exit codes (documented in the README).
 enum class ExitCode : int {
   kOk = 0,
@@ -15,9 +19,25 @@ enum class ExitCode : int {
   kTrainingAborted = 4  // training stopped on a nonfinite loss or gradient
 };
 
+// Every error is one line, whatever input it echoes: control characters are escaped (a value
+// with a newline cannot forge a log line), and a message past 2000 bytes is cut.
+inline std::string one_line(const std::string& s) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) {
+    if (out.size() >= 2000) return out + fmt_cut_suffix(s.size());
+    if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) (out += "\\x") += std::string{kHex[c >> 4], kHex[c & 15]};
+    else out += static_cast<char>(c);
+  }
+  return out;
+}
+
 class Error : public std::runtime_error {
  public:
-  Error(ExitCode code, const std::string& what) : std::runtime_error(what), code_(code) {}
+  Error(ExitCode code, const std::string& what) : std::runtime_error(one_line(what)), code_(code) {}
   ExitCode code() const { return code_; }
 
  private:
