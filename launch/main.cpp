@@ -1,5 +1,7 @@
 // The lockstep command line: the only translation unit that includes CLI11, and the only
 // place where errors become exit codes.
+#include <sys/stat.h>
+
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 #include <fmt/core.h>
@@ -66,6 +68,9 @@ void print_checkpoint_info(const nlohmann::json& info) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Nothing lockstep creates (run directories, logs, metrics, checkpoints) is writable by group
+  // or others, whatever umask the launcher left.
+  ::umask(::umask(0) | 022);
   CLI::App app{"lockstep: distributed training that skips bad gradient updates in lockstep",
                "lockstep"};
   app.require_subcommand(1);

@@ -23,6 +23,9 @@ struct CommOptions {
   int cuda_device = 0;                 // nccl: this rank's GPU
   double init_timeout_seconds = 300;   // rendezvous ([comm] init_timeout_seconds)
   double train_timeout_seconds = 100;  // each collective ([comm] train_timeout_seconds)
+  // Where rank 0's TCPStore listens ([comm] store_listen_address): "auto" = the address
+  // MASTER_ADDR resolves to, so one node listens on loopback only.
+  std::string store_listen_address = "auto";
 };
 
 class Comm {

@@ -8,7 +8,13 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 
 #include "comm_store.h"
 #include "lockstep/error.h"
@@ -140,6 +146,46 @@ std::unique_ptr<Comm> make_nccl_comm(c10::intrusive_ptr<c10d::Store>, int, int,
 }
 #endif
 
+namespace {
+
+// The store server's listening socket, bound to `host` only (TCPStore alone would listen on
+// every interface).
+int listen_socket(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (rc != 0)
+    throw ConfigError(fmt::format("cannot resolve '{}' for the rendezvous store: {}; check "
+                                  "MASTER_ADDR or comm.store_listen_address",
+                                  host, ::gai_strerror(rc)));
+  int err = 0;
+  for (addrinfo* a = found; a; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0) {
+      ::freeaddrinfo(found);
+      return fd;
+    }
+    err = errno;
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  throw Error(ExitCode::kFailure,
+              fmt::format("the rendezvous store cannot listen on {}:{}: {}; choose another "
+                          "MASTER_PORT (--master-port) or comm.store_listen_address",
+                          host, port, std::strerror(err)));
+}
+
+}  // namespace
+
 std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& o) {
   check_backend(o);
   c10d::TCPStoreOptions so;
@@ -148,6 +194,10 @@ std::unique_ptr<Comm> make_comm(const RankInfo& ranks, const CommOptions& o) {
   so.numWorkers = ranks.use_agent_store ? std::nullopt : std::optional<size_t>(ranks.world_size);
   so.waitWorkers = false;
   so.timeout = to_ms(o.init_timeout_seconds);
+  if (so.isServer)
+    so.masterListenFd = listen_socket(
+        o.store_listen_address == "auto" ? ranks.master_addr : o.store_listen_address,
+        ranks.master_port);
   c10::intrusive_ptr<c10d::Store> store;
   try {
     store = c10::make_intrusive<c10d::TCPStore>(ranks.master_addr, so);

@@ -242,6 +242,11 @@ const std::vector<Field>& fields() {
     t.push_back(float_field("comm", "train_timeout_seconds", &C::comm,
                             &CommConfig::train_timeout_seconds, 0, true, 86400,
                             "time allowed for each collective; past it the job fails, no hang"));
+    t.push_back(string_field("comm", "store_listen_address", &C::comm,
+                             &CommConfig::store_listen_address, {},
+                             "where rank 0's rendezvous store listens: auto = only the address "
+                             "MASTER_ADDR names (loopback on one node); an address; \"0.0.0.0\" "
+                             "= every interface"));
     // [skip]
     t.push_back(bool_field("skip", "enabled", &C::skip, &SkipConfig::enabled,
                            "skip bad updates (all ranks agree); false = a nonfinite gradient or "

@@ -6,7 +6,7 @@
 
 namespace lockstep::fs {
 
-// mkdir -p with mode 0755; throws InputError naming the path on failure.
+// mkdir -p (mode 0777 less the umask, which main() keeps at 022 or stricter); throws InputError naming the path on failure.
 void make_dirs(const std::string& path);
 // Writes `data` to `path` and fsyncs it (the file is created with mode 0644).
 void write_file_synced(const std::string& path, std::string_view data);

@@ -279,7 +279,8 @@ static TrainResult train_run(const Config& cfg) {
       throw ConfigError("invalid value for 'parallelism.backend': \"nccl\" moves GPU memory but "
                         "training.device is the CPU; use \"gloo\" or \"mpi\" on CPUs");
     CommOptions copt{backend, device.is_cuda() ? device.index() : 0,
-                     cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds};
+                     cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds,
+                     cfg.comm.store_listen_address};
     if (copt.backend == "mpi") {
 #if LOCKSTEP_WITH_MPI
       comm = make_mpi_comm(ranks, copt);

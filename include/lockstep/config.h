@@ -85,6 +85,7 @@ struct ParallelismConfig {
 struct CommConfig {
   double init_timeout_seconds = 300;   // rendezvous
   double train_timeout_seconds = 100;  // each collective; a lost rank fails the job, no hang
+  std::string store_listen_address = "auto";  // rendezvous store server: auto = MASTER_ADDR's address
 };
 
 // Collective-aware skipping of bad updates (design.md). Off by default: then a nonfinite
