@@ -13,6 +13,7 @@
 
 #include "bench.h"
 #include "diag.h"
+#include "fault.h"
 #include "lockstep/checkpoint_info.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
@@ -33,6 +34,15 @@ lockstep::Config load(const std::string& file, const std::vector<std::string>& e
     return lockstep::load_config(lockstep::embedded_default_toml(), "<embedded default>",
                                  overrides);
   return lockstep::load_config_file(file, overrides);
+}
+
+// `[FILE] [--section.key value ...]`: a first argument that is not an option is the file.
+std::vector<std::string> take_file(std::vector<std::string> args, std::string& file) {
+  if (!args.empty() && args[0].rfind("--", 0) != 0) {
+    file = args[0];
+    args.erase(args.begin());
+  }
+  return args;
 }
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
@@ -88,15 +98,24 @@ int main(int argc, char** argv) {
   auto* config = app.add_subcommand("config", "Inspect configuration");
   config->require_subcommand(1);
   std::string show_file, check_file;
-  auto* show = config->add_subcommand("show", "Print the resolved config with every default");
-  show->add_option("file", show_file, "TOML config file (default: the embedded demo)");
+  auto* show = config->add_subcommand("show", "Print the resolved config with every default: config show [FILE] [--section.key VALUE ...] (no FILE: the embedded demo)");
+  // [FILE] [--section.key value ...]: the file is taken by hand from the extras, so that an
+  // override's value is never mistaken for it.
   show->allow_extras();
   show->footer(kOverrideHelp);
-  auto* check = config->add_subcommand("check", "Validate a config file; exit 2 if invalid");
-  check->add_option("file", check_file, "TOML config file")->required();
+  auto* check = config->add_subcommand("check", "Validate a config file; exit 2 if invalid: config check FILE [--section.key VALUE ...]");
   check->allow_extras();
   check->footer(kOverrideHelp);
   auto* keys = config->add_subcommand("keys", "Print every key as a Markdown table");
+  std::string faults_file;
+  int64_t faults_ranks = 1;
+  auto* faults = config->add_subcommand(
+      "faults", "Print the faults [fault] injects, one JSON object per (step, rank), for "
+                "training.steps steps on --ranks ranks: config faults [FILE] --ranks N "
+                "[--section.key VALUE ...]");
+  faults->add_option("--ranks", faults_ranks, "World size")->check(CLI::Range(1, 1 << 20));
+  faults->allow_extras();
+  faults->footer(kOverrideHelp);
 
   // checkpoint info
   auto* checkpoint = app.add_subcommand("checkpoint", "Inspect checkpoints");
@@ -179,12 +198,25 @@ int main(int argc, char** argv) {
     if (*train) {
       lockstep::train(load(train_config, train->remaining()));
     } else if (*show) {
-      std::cout << lockstep::to_toml(load(show_file, show->remaining()));
+      auto rest = take_file(show->remaining(), show_file);
+      std::cout << lockstep::to_toml(load(show_file, rest));
     } else if (*check) {
-      load(check_file, check->remaining());
+      auto rest = take_file(check->remaining(), check_file);
+      if (check_file.empty())
+        throw lockstep::ConfigError("config check needs a file: lockstep config check FILE "
+                                    "[--section.key value ...]");
+      load(check_file, rest);
       fmt::print("{}: ok\n", check_file);
     } else if (*keys) {
       std::cout << lockstep::config_reference_markdown();
+    } else if (*faults) {
+      auto rest = take_file(faults->remaining(), faults_file);
+      const auto cfg = load(faults_file, rest);
+      const lockstep::FaultPlan plan(cfg.fault, faults_ranks);
+      for (int64_t step = 1; step <= cfg.training.steps; ++step)
+        for (int64_t rank = 0; rank < faults_ranks; ++rank)
+          if (auto kind = plan.at(step, rank); !kind.empty())
+            fmt::print("{{\"step\": {}, \"rank\": {}, \"kind\": \"{}\"}}\n", step, rank, kind);
     } else if (*info) {
       auto j = lockstep::checkpoint_info(ckpt_dir);
       if (ckpt_json)

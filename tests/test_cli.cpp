@@ -78,6 +78,17 @@ TEST(Cli, ConfigCheckAndShow) {
   EXPECT_NE(s.out.find("steps = 9"), std::string::npos) << s.out;
   EXPECT_NE(s.out.find("lr = 0.25"), std::string::npos) << s.out;
   EXPECT_NE(s.out.find("warmup_steps = 20"), std::string::npos) << s.out;  // a default
+  // Without a file, an override's value is not taken for one.
+  CliRun no_file = run("config show --optimizer.lr 0.25");
+  EXPECT_EQ(no_file.code, 0) << no_file.out;
+  EXPECT_NE(no_file.out.find("lr = 0.25"), std::string::npos) << no_file.out;
+  EXPECT_EQ(run("config check").code, 2);
+  // The fault plan, as the trainer will inject it.
+  CliRun plan = run("config faults --ranks 3 --training.steps 12 --fault.inject 'nan_grad@5:2, "
+                    "spike@9:0'");
+  EXPECT_EQ(plan.code, 0) << plan.out;
+  EXPECT_EQ(plan.out, "{\"step\": 5, \"rank\": 2, \"kind\": \"nan_grad\"}\n"
+                      "{\"step\": 9, \"rank\": 0, \"kind\": \"spike\"}\n");
   EXPECT_EQ(run("config check " + dir / "missing.toml").code, 2);
   EXPECT_EQ(run("train --config " + dir / "missing.toml").code, 2);
   EXPECT_EQ(run("frobnicate").code, 2);
