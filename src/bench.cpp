@@ -293,7 +293,7 @@ bool bench_comm(const CommBenchOptions& o) {
   const bool lead = r == 0;
   if (lead && !o.json)
     fmt::print("lockstep bench comm | {} ranks ({}) | backend {} | fp32 | {} iterations after {} "
-               "warm-up\n{:<11} {:>12} {:>11} {:>10} {:>10} | {}\n",
+               "warm-up\n{:<14} {:>12} {:>11} {:>10} {:>10} | {}\n",
                w, ranks.launcher, comm->backend(), o.iters, o.warmup,
                "op", "bytes", "time_us", "algbw_GBs", "busbw_GBs", "check");
   bool all_ok = true;
@@ -355,7 +355,7 @@ bool bench_comm(const CommBenchOptions& o) {
                                   {"ok", agreed_ok}}
                                   .dump());
         else
-          fmt::print("{:<11} {:>12} {:>11.1f} {:>10.3f} {:>10.3f} | {}\n", op, n * 4, best * 1e6,
+          fmt::print("{:<14} {:>12} {:>11.1f} {:>10.3f} {:>10.3f} | {}\n", op, n * 4, best * 1e6,
                      algbw, algbw * factor, agreed_ok ? "ok" : "WRONG");
         std::fflush(stdout);
       }
