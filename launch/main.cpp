@@ -157,6 +157,9 @@ int main(int argc, char** argv) {
       "comm", "Collective size sweep with algbw/busbw, checked every run; launch it on N ranks");
   comm_bench->add_option("--sizes", copt.sizes_bytes, "Message sizes in bytes")
       ->capture_default_str();
+  comm_bench->add_option("--backend", copt.backend, "gloo, mpi (under mpirun) or nccl (GPUs)")
+      ->check(CLI::IsMember({"gloo", "mpi", "nccl"}))
+      ->capture_default_str();
   comm_bench->add_option("--ops", copt.ops, "all_reduce, reduce_scatter, all_gather, broadcast")
       ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather", "broadcast"}))
       ->capture_default_str();

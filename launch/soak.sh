@@ -37,8 +37,10 @@ args=(--job.dump_folder "$run" --training.steps "$steps" --training.threads 1
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(date -u +%F)"
 echo "soak: $ranks ranks x $steps steps${*:+ ($*)}, random faults p=0.01 per rank and step, 3 poisoned samples of ~1985 (each drawn once per epoch), rank $crash_rank SIGKILLed at step $crash_step, run dir $run"
+# A free port of its own (several soaks may run at once, e.g. under ctest -j).
+port="${LOCKSTEP_SOAK_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 start=$SECONDS
-"$bin/lockstep-run" --nproc-per-node "$ranks" --max-restarts 1 -- "$bin/lockstep" train "${args[@]}" \
+"$bin/lockstep-run" --nproc-per-node "$ranks" --master-port "$port" --max-restarts 1 -- "$bin/lockstep" train "${args[@]}" \
   >"$run.log" 2>&1 || { tail -20 "$run.log"; echo "soak: FAILED (the run did not complete)" >&2; exit 1; }
 echo "soak: finished in $((SECONDS - start)) s"
 # The plan without the crash (a crash is not a data fault).

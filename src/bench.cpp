@@ -288,13 +288,32 @@ bool bench_comm(const CommBenchOptions& o) {
   if (ranks.world_size < 2)
     throw ConfigError("bench comm measures collectives between ranks; launch it on several, e.g. "
                       "lockstep-run --nproc-per-node 2 -- lockstep bench comm");
-  std::unique_ptr<Comm> comm = make_comm(ranks, {});
+  // NCCL moves GPU memory: the buffers live on this rank's GPU (cuda:LOCAL_RANK).
+  if (o.backend == "nccl" && (!nccl_available() || !at::hasCUDA()))
+    throw ConfigError("bench comm --backend nccl needs a CUDA build (launch/build_cuda.sh) and a "
+                      "visible GPU; use --backend gloo or mpi on CPUs");
+  const c10::Device device =
+      o.backend == "nccl" ? resolve_device("cuda", ranks.local_rank) : c10::Device(c10::kCPU);
+  CommOptions copt;
+  copt.backend = o.backend;
+  copt.cuda_device = device.is_cuda() ? device.index() : 0;
+  std::unique_ptr<Comm> comm;
+  if (o.backend == "mpi") {
+#if LOCKSTEP_WITH_MPI
+    comm = make_mpi_comm(ranks, copt);
+#else
+    throw ConfigError("bench comm --backend mpi: this build has no MPI (LOCKSTEP_MPI=OFF)");
+#endif
+  } else {
+    comm = make_comm(ranks, copt);
+  }
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
   const int w = ranks.world_size, r = ranks.rank;
   const bool lead = r == 0;
   if (lead && !o.json)
-    fmt::print("lockstep bench comm | {} ranks ({}) | backend {} | fp32 | {} iterations after {} "
-               "warm-up\n{:<14} {:>12} {:>11} {:>10} {:>10} | {}\n",
-               w, ranks.launcher, comm->backend(), o.iters, o.warmup,
+    fmt::print("lockstep bench comm | {} ranks ({}) | backend {} | fp32 on {} | {} iterations "
+               "after {} warm-up\n{:<14} {:>12} {:>11} {:>10} {:>10} | {}\n",
+               w, ranks.launcher, comm->backend(), device.str(), o.iters, o.warmup,
                "op", "bytes", "time_us", "algbw_GBs", "busbw_GBs", "check");
   bool all_ok = true;
   for (const auto& op : o.ops) {
@@ -307,9 +326,9 @@ bool bench_comm(const CommBenchOptions& o) {
     for (int64_t bytes : o.sizes_bytes) {
       const int64_t block = std::max<int64_t>(1, bytes / 4 / (blocked ? w : 1));
       const int64_t n = blocked ? block * w : block;  // elements of the whole buffer
-      at::Tensor t = at::empty({n}, at::kFloat);
-      at::Tensor piece = at::empty({block}, at::kFloat);
-      at::Tensor gathered = at::empty({w, block}, at::kFloat);
+      at::Tensor t = at::empty({n}, fp32);
+      at::Tensor piece = at::empty({block}, fp32);
+      at::Tensor gathered = at::empty({w, block}, fp32);
       bool ok = true;
       double best = 1e30;
       for (int it = 0; it < o.warmup + o.iters; ++it) {

@@ -33,6 +33,7 @@ struct CommBenchOptions {
   int warmup = 2;
   int iters = 10;
   bool json = false;
+  std::string backend = "gloo";  // gloo | mpi | nccl (tensors on the rank's GPU)
 };
 
 // `lockstep bench comm`: run under a launcher (lockstep-run, torchrun, mpirun). Rank 0 prints a

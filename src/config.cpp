@@ -280,7 +280,8 @@ const std::vector<Field>& fields() {
     t.push_back(int_field("diagnostics", "verify_every", &C::diagnostics,
                           &DiagnosticsConfig::verify_every, 0, kMaxInt,
                           "every this many steps all ranks compare CRC32s of their parameters "
-                          "and optimizer state; a mismatch aborts naming the ranks; 0 = off"));
+                          "and optimizer state (sharded: parameters only, each rank's optimizer "
+                          "block has no replica); a mismatch aborts naming the ranks; 0 = off"));
     t.push_back(int_field("diagnostics", "top_params", &C::diagnostics,
                           &DiagnosticsConfig::top_params, 0, 1 << 20,
                           "parameters named per skip or abort event"));
