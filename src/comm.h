@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -28,22 +29,52 @@ struct CommOptions {
   std::string store_listen_address = "auto";
 };
 
+// A collective in flight. wait() completes it: the results are in place (copied back from any
+// staging buffer), or it throws as the blocking forms do. Wait for every work you start; the
+// tensors must stay alive and untouched until then.
+class CommWork {
+ public:
+  explicit CommWork(std::function<void()> finish) : finish_(std::move(finish)) {}
+  void wait() {
+    if (!finish_) return;
+    auto f = std::move(finish_);
+    finish_ = nullptr;
+    f();
+  }
+
+ private:
+  std::function<void()> finish_;
+};
+
 class Comm {
  public:
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::string backend() const = 0;
-  // Blocking collectives. A collective that does not finish within train_timeout_seconds
-  // throws an Error that names it (a lost rank never hangs the others).
-  virtual void all_reduce_sum(at::Tensor& t) = 0;                     // in place
-  virtual void broadcast(at::Tensor& t, int root) = 0;                 // in place
+  // Asynchronous collectives: started at once, completed by wait(). Started in the same order
+  // on every rank. A collective that does not finish within train_timeout_seconds makes wait()
+  // throw an Error that names it (a lost rank never hangs the others).
+  virtual std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) = 0;  // in place
   // out[r] (one per rank, each like `in`) receives rank r's `in`.
-  virtual void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) = 0;
+  virtual std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                                     const std::vector<at::Tensor>& out) = 0;
   // in[r] (one per rank, each like `out`): rank r's `out` receives the sum over all ranks of
   // their in[r] (the gradient sync of the sharded mode).
-  virtual void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) = 0;
+  virtual std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                             at::Tensor& out) = 0;
+  // Blocking collectives.
+  virtual void broadcast(at::Tensor& t, int root) = 0;  // in place
+  virtual void barrier() = 0;
 
+  // Blocking forms of the asynchronous ones.
+  void all_reduce_sum(at::Tensor& t) { all_reduce_sum_async(t)->wait(); }
+  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) {
+    all_gather_async(in, out)->wait();
+  }
+  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) {
+    reduce_scatter_sum_async(in, out)->wait();
+  }
   // The same on flat buffers: out is size() x in; in holds size() blocks of out.numel().
   void all_gather(const at::Tensor& in, at::Tensor& out) {
     std::vector<at::Tensor> outs;
@@ -58,7 +89,6 @@ class Comm {
     for (int r = 0; r < size(); ++r) blocks.push_back(in.narrow(0, r * n, n));
     reduce_scatter_sum(blocks, out);
   }
-  virtual void barrier() = 0;
 };
 
 // NCCL is built in (LOCKSTEP_CUDA builds).

@@ -58,38 +58,40 @@ class GlooComm final : public Comm {
   int size() const override { return size_; }
   std::string backend() const override { return "gloo"; }
 
-  void all_reduce_sum(at::Tensor& t) override {
+  std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
     at::Tensor h = host(t);
     std::vector<at::Tensor> v = {h};
-    wait(pg_->allreduce(v), "all_reduce");
-    back(h, t);
+    return finish(pg_->allreduce(v), "all_reduce", {{h, t}});
   }
   void broadcast(at::Tensor& t, int root) override {
     at::Tensor h = host(t);
     std::vector<at::Tensor> v = {h};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    wait(pg_->broadcast(v, o), "broadcast");
-    back(h, t);
+    finish(pg_->broadcast(v, o), "broadcast", {{h, t}})->wait();
   }
-  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) override {
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                             const std::vector<at::Tensor>& out) override {
     check_count(out.size(), "all_gather");
     std::vector<at::Tensor> hout;
-    for (const auto& t : out) hout.push_back(host(t));
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+    for (const auto& t : out) {
+      hout.push_back(host(t));
+      copies.emplace_back(hout.back(), t);
+    }
     std::vector<std::vector<at::Tensor>> o = {hout};
     std::vector<at::Tensor> i = {host(in)};
-    wait(pg_->allgather(o, i), "all_gather");
-    for (size_t r = 0; r < out.size(); ++r) back(hout[r], out[r]);
+    return finish(pg_->allgather(o, i), "all_gather", std::move(copies));
   }
-  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) override {
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                     at::Tensor& out) override {
     check_count(in.size(), "reduce_scatter");
     std::vector<at::Tensor> blocks;
     for (const auto& t : in) blocks.push_back(host(t));
     at::Tensor hout = host(out);
     std::vector<at::Tensor> o = {hout};
     std::vector<std::vector<at::Tensor>> i = {blocks};
-    wait(pg_->reduce_scatter(o, i), "reduce_scatter");
-    back(hout, out);
+    return finish(pg_->reduce_scatter(o, i), "reduce_scatter", {{hout, out}});
   }
   void barrier() override { wait(pg_->barrier(), "barrier"); }
 
@@ -99,8 +101,14 @@ class GlooComm final : public Comm {
       throw std::invalid_argument(fmt::format("gloo {}: {} tensors for {} ranks", op, n, size_));
   }
   static at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
-  static void back(const at::Tensor& staged, const at::Tensor& t) {
-    if (!t.is_cpu()) t.copy_(staged);
+  // The work's completion: wait (under the timeout), then copy staged results to GPU originals.
+  std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op,
+                                   std::vector<std::pair<at::Tensor, at::Tensor>> copies) {
+    return std::make_unique<CommWork>([this, work, op, copies] {
+      wait(work, op);
+      for (const auto& [staged, t] : copies)
+        if (!t.is_cpu()) t.copy_(staged);
+    });
   }
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
     try {

@@ -60,13 +60,15 @@ class MpiComm final : public Comm {
   int size() const override { return size_; }
   std::string backend() const override { return "mpi"; }
 
-  void all_reduce_sum(at::Tensor& t) override {
+  std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
     at::Tensor h = host(t, "all_reduce");
     MPI_Request req;
     MPI_Iallreduce(MPI_IN_PLACE, h.data_ptr(), static_cast<int>(h.numel()),
                    mpi_type(h, "all_reduce"), MPI_SUM, comm_, &req);
-    wait(req, "all_reduce");
-    back(h, t);
+    return std::make_unique<CommWork>([this, req, h, t]() mutable {
+      wait(req, "all_reduce");
+      back(h, t);
+    });
   }
   void broadcast(at::Tensor& t, int root) override {
     at::Tensor h = host(t, "broadcast");
@@ -78,7 +80,8 @@ class MpiComm final : public Comm {
   }
   // MPI wants one contiguous buffer for the ranks' blocks: the list is staged through one
   // unless its tensors already lie back to back.
-  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) override {
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                             const std::vector<at::Tensor>& out) override {
     at::Tensor hin = host(in, "all_gather");
     at::Tensor hout = contiguous_run(out) ? out[0].as_strided({hin.numel() * size_}, {1})
                                           : at::empty({size_, hin.numel()}, hin.options());
@@ -87,13 +90,16 @@ class MpiComm final : public Comm {
     const MPI_Datatype ty = mpi_type(hin, "all_gather");
     MPI_Iallgather(hin.data_ptr(), static_cast<int>(hin.numel()), ty, hout.data_ptr(),
                    static_cast<int>(hin.numel()), ty, comm_, &req);
-    wait(req, "all_gather");
-    const at::Tensor flat = hout.view({size_, hin.numel()});
-    for (int r = 0; r < size_; ++r)
-      if (out[r].data_ptr() != flat.select(0, r).data_ptr() || !out[r].is_cpu())
-        out[r].view({-1}).copy_(flat.select(0, r));
+    return std::make_unique<CommWork>([this, req, hin, hout, out]() mutable {
+      wait(req, "all_gather");
+      const at::Tensor flat = hout.view({size_, hin.numel()});
+      for (int r = 0; r < size_; ++r)
+        if (out[r].data_ptr() != flat.select(0, r).data_ptr() || !out[r].is_cpu())
+          out[r].view({-1}).copy_(flat.select(0, r));
+    });
   }
-  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) override {
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                     at::Tensor& out) override {
     if (static_cast<int>(in.size()) != size_)
       throw std::invalid_argument("mpi reduce_scatter: one input block per rank");
     const int64_t n = out.numel();
@@ -109,8 +115,10 @@ class MpiComm final : public Comm {
     MPI_Request req;
     MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(n),
                               mpi_type(hout, "reduce_scatter"), MPI_SUM, comm_, &req);
-    wait(req, "reduce_scatter");
-    back(hout, out);
+    return std::make_unique<CommWork>([this, req, hin, hout, out]() mutable {
+      wait(req, "reduce_scatter");
+      back(hout, out);
+    });
   }
   void barrier() override {
     MPI_Request req;

@@ -40,36 +40,38 @@ class NcclComm final : public Comm {
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
 
-  void all_reduce_sum(at::Tensor& t) override {
+  std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
     at::Tensor d = on_device(t);
     std::vector<at::Tensor> v = {d};
-    wait(pg_->allreduce(v), "all_reduce");
-    back(d, t);
+    return finish(pg_->allreduce(v), "all_reduce", {{d, t}});
   }
   void broadcast(at::Tensor& t, int root) override {
     at::Tensor d = on_device(t);
     std::vector<at::Tensor> v = {d};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    wait(pg_->broadcast(v, o), "broadcast");
-    back(d, t);
+    finish(pg_->broadcast(v, o), "broadcast", {{d, t}})->wait();
   }
-  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) override {
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                             const std::vector<at::Tensor>& out) override {
     std::vector<at::Tensor> dout;
-    for (const auto& t : out) dout.push_back(on_device(t));
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+    for (const auto& t : out) {
+      dout.push_back(on_device(t));
+      copies.emplace_back(dout.back(), t);
+    }
     std::vector<std::vector<at::Tensor>> o = {dout};
     std::vector<at::Tensor> i = {on_device(in)};
-    wait(pg_->allgather(o, i), "all_gather");
-    for (size_t r = 0; r < out.size(); ++r) back(dout[r], out[r]);
+    return finish(pg_->allgather(o, i), "all_gather", std::move(copies));
   }
-  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) override {
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                     at::Tensor& out) override {
     std::vector<at::Tensor> blocks;
     for (const auto& t : in) blocks.push_back(on_device(t));
     at::Tensor dout = on_device(out);
     std::vector<at::Tensor> o = {dout};
     std::vector<std::vector<at::Tensor>> i = {blocks};
-    wait(pg_->reduce_scatter(o, i), "reduce_scatter");
-    back(dout, out);
+    return finish(pg_->reduce_scatter(o, i), "reduce_scatter", {{dout, out}});
   }
   void barrier() override {
     c10d::BarrierOptions o;
@@ -79,8 +81,14 @@ class NcclComm final : public Comm {
 
  private:
   at::Tensor on_device(const at::Tensor& t) const { return t.is_cuda() ? t : t.to(device_); }
-  static void back(const at::Tensor& staged, const at::Tensor& t) {
-    if (!t.is_cuda()) t.copy_(staged);
+  // The work's completion: wait (under the timeout), then copy staged results to host originals.
+  std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op,
+                                   std::vector<std::pair<at::Tensor, at::Tensor>> copies) {
+    return std::make_unique<CommWork>([this, work, op, copies] {
+      wait(work, op);
+      for (const auto& [staged, t] : copies)
+        if (!t.is_cuda()) t.copy_(staged);
+    });
   }
   // A wait with a timeout blocks the host until the collective is done: a lost rank gives an
   // error naming the operation (and NCCL's watchdog tears the communicator down).

@@ -6,6 +6,28 @@
 #include <c10/core/GradMode.h>
 
 namespace lockstep {
+namespace {
+
+// At most two collectives in flight: adding a third waits for the oldest.
+class Pipeline {
+ public:
+  void add(std::unique_ptr<CommWork> w) {
+    if (in_flight_.size() == 2) {
+      in_flight_.front()->wait();
+      in_flight_.erase(in_flight_.begin());
+    }
+    in_flight_.push_back(std::move(w));
+  }
+  void drain() {
+    for (auto& w : in_flight_) w->wait();
+    in_flight_.clear();
+  }
+
+ private:
+  std::vector<std::unique_ptr<CommWork>> in_flight_;
+};
+
+}  // namespace
 
 DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, bool sharded,
                            int64_t bucket_bytes)
@@ -55,13 +77,17 @@ void DataParallel::sync_gradients() {
     flat_grad_.div_(static_cast<double>(world_));
     return;
   }
+  // Two buckets in flight at a time: the next one is on its way while the last one finishes,
+  // and the backends' staging stays at two buckets.
+  Pipeline works;
   for (int64_t at = 0; at < block_; at += bucket_) {
     const int64_t n = std::min(bucket_, block_ - at);
     std::vector<at::Tensor> in;
     for (int r = 0; r < world_; ++r) in.push_back(flat_grad_.narrow(0, r * block_ + at, n));
     at::Tensor out = grad_block_.narrow(0, at, n);
-    comm_->reduce_scatter_sum(in, out);
+    works.add(comm_->reduce_scatter_sum_async(in, out));
   }
+  works.drain();
   flat_grad_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(world_));
 }
 
@@ -97,12 +123,14 @@ void DataParallel::gather_parameters(bool from_params) {
     flat_param_.copy_(master_);
     return;
   }
+  Pipeline works;
   for (int64_t at = 0; at < block_; at += bucket_) {
     const int64_t n = std::min(bucket_, block_ - at);
     std::vector<at::Tensor> out;
     for (int r = 0; r < world_; ++r) out.push_back(flat_param_.narrow(0, r * block_ + at, n));
-    comm_->all_gather(master_.narrow(0, at, n), out);
+    works.add(comm_->all_gather_async(master_.narrow(0, at, n), out));
   }
+  works.drain();
 }
 
 void DataParallel::zero_grad() { flat_grad_.zero_(); }

@@ -66,6 +66,22 @@ TEST(CommGloo, CollectivesGiveExactValues) {
         EXPECT_EQ(rs_out[i].item<float>(),
                   static_cast<float>(size * (1000 * c.rank() + i) + size * (size - 1) / 2))
             << "element " << i;
+
+      // Several collectives in flight at once, completed later and in any order.
+      at::Tensor x = at::full({4}, static_cast<double>(c.rank()), at::kDouble);
+      at::Tensor y = at::full({3}, 1.0, at::kFloat);
+      auto wx = c.all_reduce_sum_async(x);
+      auto wy = c.all_reduce_sum_async(y);
+      at::Tensor g = at::empty({size, 2}, at::kLong);
+      auto wg = c.all_gather_async(at::full({2}, 7 * c.rank(), at::kLong),
+                                   std::vector<at::Tensor>{g.unbind(0)});
+      wy->wait();
+      wx->wait();
+      wg->wait();
+      wg->wait();  // a second wait does nothing
+      EXPECT_EQ(x[0].item<double>(), size * (size - 1) / 2.0);
+      EXPECT_EQ(y[2].item<float>(), static_cast<float>(size));
+      EXPECT_EQ(g[size - 1][1].item<int64_t>(), 7 * (size - 1));
       c.barrier();
     });
   }
