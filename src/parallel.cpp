@@ -43,8 +43,8 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, b
   const auto options = params.at(0).tensor.options().requires_grad(false);
   flat_grad_ = at::zeros({world_ * block_}, options);
   if (sharded_) {
-    // Pages are touched parameter by parameter below, each old storage freed right after its
-    // copy: setup never holds two copies of the model.
+    // Pages are touched parameter by parameter below and each old storage is released right
+    // after its copy, so setup does not first build a second full copy of the model.
     flat_param_ = at::empty({world_ * block_}, options);
     flat_param_.narrow(0, total_, world_ * block_ - total_).zero_();  // the padding
   }
@@ -63,7 +63,8 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm, b
     off += n;
   }
   if (sharded_) {
-    master_ = flat_param_.narrow(0, rank_ * block_, block_).clone();  // fp32 master block
+    // The master block, in the parameters' dtype: fp32, as the model trains in fp32.
+    master_ = flat_param_.narrow(0, rank_ * block_, block_).clone();
     grad_block_ = at::empty({block_}, options);
     exp_avg_ = at::zeros({shard_length_}, options);
     exp_avg_sq_ = at::zeros({shard_length_}, options);
