@@ -243,24 +243,8 @@ std::vector<int64_t> Checkpointer::steps() const {
 
 namespace {
 
-// Every rank's numbers for one phase of a collective save, in rank order: an all-gather of
-// equally long double vectors (a rank without comm is alone).
-std::vector<std::vector<double>> share(Comm* comm, const std::vector<double>& mine) {
-  if (!comm) return {mine};
-  const auto n = static_cast<int64_t>(mine.size());
-  at::Tensor in = at::empty({n}, at::kDouble);
-  std::memcpy(in.data_ptr<double>(), mine.data(), sizeof(double) * mine.size());
-  at::Tensor out = at::empty({comm->size(), n}, at::kDouble);
-  comm->all_gather(in, out);
-  std::vector<std::vector<double>> all;
-  for (int r = 0; r < comm->size(); ++r) {
-    const double* q = out.select(0, r).data_ptr<double>();
-    all.emplace_back(q, q + n);
-  }
-  return all;
-}
-
-// The ranks whose first number (ok = 1) is 0.
+// The ranks whose first number (ok = 1) is 0, of every rank's report of one phase of a
+// collective save.
 std::vector<int> failed_ranks(const std::vector<std::vector<double>>& all) {
   std::vector<int> bad;
   for (size_t r = 0; r < all.size(); ++r)
@@ -316,7 +300,7 @@ std::string Checkpointer::save(const TrainState& state, const std::vector<NamedT
       fs::remove_all(tmp);
       fs::make_dirs(tmp);
     });
-  if (auto bad = failed_ranks(share(comm, {ok})); !bad.empty()) throw give_up(bad);
+  if (auto bad = failed_ranks(all_gather_values(comm, {ok})); !bad.empty()) throw give_up(bad);
 
   // 2. Every rank writes its files: rank 0 the model (and the ddp optimizer), each rank its
   //    optimizer shard. They report their CRC32s and ranges.
@@ -334,7 +318,7 @@ std::string Checkpointer::save(const TrainState& state, const std::vector<NamedT
                                 static_cast<double>(optimizer.length)};
   for (const auto& t : optimizer.tensors)
     report.push_back(optimizer.sharded ? static_cast<double>(optim_crc[t.name]) : 0.0);
-  const auto reports = share(comm, report);
+  const auto reports = all_gather_values(comm, report);
   if (auto bad = failed_ranks(reports); !bad.empty()) throw give_up(bad);
 
   // 3. Rank 0 writes meta.json (last: a folder with meta.json is complete by construction) and
@@ -388,7 +372,7 @@ std::string Checkpointer::save(const TrainState& state, const std::vector<NamedT
           fs::remove_all(dir_of(all[i]));
       }
     });
-  if (auto bad = failed_ranks(share(comm, {ok})); !bad.empty()) throw give_up(bad);
+  if (auto bad = failed_ranks(all_gather_values(comm, {ok})); !bad.empty()) throw give_up(bad);
   return final_dir;
 }
 

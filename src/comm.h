@@ -91,6 +91,10 @@ class Comm {
   }
 };
 
+// Every rank's `mine` (equally long on all ranks), in rank order: one all-gather of doubles
+// (exact for integers below 2^53). A null comm is one rank alone.
+std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine);
+
 // NCCL is built in (LOCKSTEP_CUDA builds).
 bool nccl_available();
 

@@ -1,5 +1,6 @@
-// Gloo collectives through LibTorch c10d, and the rendezvous stores every c10d backend uses.
-// The only file that includes Gloo or the c10d stores. The torch wheel ships no gloo headers;
+// Gloo process groups through LibTorch c10d, and the rendezvous stores every c10d backend uses
+// (the collectives themselves: comm_c10d.cpp). The only file that includes Gloo or the c10d
+// stores. The torch wheel ships no gloo headers;
 // Debian's libgloo-dev provides them (launch/setup.sh). GPU tensors are staged through host
 // memory (Gloo is the CPU backend; it serves ranks that share one GPU, which NCCL refuses).
 #include <fmt/core.h>
@@ -13,7 +14,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 
 #include "comm_store.h"
@@ -22,109 +22,29 @@
 namespace lockstep {
 namespace {
 
-using std::chrono::milliseconds;
-
-milliseconds to_ms(double seconds) { return milliseconds(static_cast<int64_t>(seconds * 1e3)); }
-
-// c10d errors carry a backtrace after the first line; the message is the first line.
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-class GlooComm final : public Comm {
- public:
-  GlooComm(c10::intrusive_ptr<c10d::Store> store, int rank, int size, const RankInfo& ranks,
-           const CommOptions& o)
-      : rank_(rank), size_(size), timeout_(to_ms(o.train_timeout_seconds)) {
-    auto opts = c10d::ProcessGroupGloo::Options::create();
-    opts->timeout = to_ms(o.init_timeout_seconds);
-    // Loopback for one node; otherwise the interface that GLOO_SOCKET_IFNAME names, or the
-    // one this host's name resolves to.
-    if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
-    else if (ranks.local_world_size == ranks.world_size)
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-    else
-      opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-    try {
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-    } catch (const std::exception& e) {
-      throw Error(ExitCode::kFailure,
-                  fmt::format("gloo rendezvous failed for rank {} of {}: {}", rank, size,
-                              first_line(e.what())));
-    }
-    pg_->setTimeout(timeout_);
+// A Gloo process group: loopback for one node; otherwise the interface that GLOO_SOCKET_IFNAME
+// names, or the one this host's name resolves to.
+std::unique_ptr<Comm> make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                const RankInfo& ranks, const CommOptions& o) {
+  auto opts = c10d::ProcessGroupGloo::Options::create();
+  opts->timeout = to_ms(o.init_timeout_seconds);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(ifname));
+  else if (ranks.local_world_size == ranks.world_size)
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  else
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+  try {
+    pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  } catch (const std::exception& e) {
+    throw Error(ExitCode::kFailure, fmt::format("gloo rendezvous failed for rank {} of {}: {}",
+                                                rank, size, first_line(e.what())));
   }
-
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  std::string backend() const override { return "gloo"; }
-
-  std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
-    at::Tensor h = host(t);
-    std::vector<at::Tensor> v = {h};
-    return finish(pg_->allreduce(v), "all_reduce", {{h, t}});
-  }
-  void broadcast(at::Tensor& t, int root) override {
-    at::Tensor h = host(t);
-    std::vector<at::Tensor> v = {h};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    finish(pg_->broadcast(v, o), "broadcast", {{h, t}})->wait();
-  }
-  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
-                                             const std::vector<at::Tensor>& out) override {
-    check_count(out.size(), "all_gather");
-    std::vector<at::Tensor> hout;
-    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
-    for (const auto& t : out) {
-      hout.push_back(host(t));
-      copies.emplace_back(hout.back(), t);
-    }
-    std::vector<std::vector<at::Tensor>> o = {hout};
-    std::vector<at::Tensor> i = {host(in)};
-    return finish(pg_->allgather(o, i), "all_gather", std::move(copies));
-  }
-  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
-                                                     at::Tensor& out) override {
-    check_count(in.size(), "reduce_scatter");
-    std::vector<at::Tensor> blocks;
-    for (const auto& t : in) blocks.push_back(host(t));
-    at::Tensor hout = host(out);
-    std::vector<at::Tensor> o = {hout};
-    std::vector<std::vector<at::Tensor>> i = {blocks};
-    return finish(pg_->reduce_scatter(o, i), "reduce_scatter", {{hout, out}});
-  }
-  void barrier() override { wait(pg_->barrier(), "barrier"); }
-
- private:
-  void check_count(size_t n, const char* op) const {
-    if (static_cast<int>(n) != size_)
-      throw std::invalid_argument(fmt::format("gloo {}: {} tensors for {} ranks", op, n, size_));
-  }
-  static at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
-  // The work's completion: wait (under the timeout), then copy staged results to GPU originals.
-  std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op,
-                                   std::vector<std::pair<at::Tensor, at::Tensor>> copies) {
-    return std::make_unique<CommWork>([this, work, op, copies] {
-      wait(work, op);
-      for (const auto& [staged, t] : copies)
-        if (!t.is_cpu()) t.copy_(staged);
-    });
-  }
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
-    try {
-      work->wait(timeout_);
-    } catch (const std::exception& e) {
-      throw Error(ExitCode::kFailure,
-                  fmt::format("gloo {} failed on rank {} of {} (timeout {} s; did a rank die or "
-                              "stall?): {}",
-                              op, rank_, size_, timeout_.count() / 1000.0, first_line(e.what())));
-    }
-  }
-
-  int rank_, size_;
-  milliseconds timeout_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-};
+  const auto timeout = to_ms(o.train_timeout_seconds);
+  pg->setTimeout(timeout);
+  return make_c10d_comm({pg, "gloo", c10::Device(c10::kCPU), {}, timeout, rank, size});
+}
 
 void check_backend(const CommOptions& o) {
   if (o.backend == "nccl" && !nccl_available())
@@ -139,7 +59,7 @@ void check_backend(const CommOptions& o) {
 std::unique_ptr<Comm> make_backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
                                    const RankInfo& ranks, const CommOptions& o) {
   if (o.backend == "nccl") return make_nccl_comm(std::move(store), rank, size, o);
-  return std::make_unique<GlooComm>(std::move(store), rank, size, ranks, o);
+  return make_gloo(std::move(store), rank, size, ranks, o);
 }
 
 }  // namespace

@@ -15,7 +15,6 @@
 
 namespace lockstep {
 
-namespace {
 std::vector<AdamWParam> with_zero_moments(const std::vector<NamedTensor>& params) {
   std::vector<AdamWParam> out;
   for (const auto& p : params)
@@ -23,7 +22,6 @@ std::vector<AdamWParam> with_zero_moments(const std::vector<NamedTensor>& params
                    p.tensor.dim() >= 2});
   return out;
 }
-}  // namespace
 
 AdamW::AdamW(const std::vector<NamedTensor>& params, AdamWOptions options) : opt_(options) {
   add(with_zero_moments(params));

@@ -26,6 +26,10 @@ struct AdamWParam {
   bool decay = true;
 };
 
+// The parameters with zeroed moments; matrices and embeddings (dim >= 2) get weight decay,
+// norms and biases do not.
+std::vector<AdamWParam> with_zero_moments(const std::vector<NamedTensor>& params);
+
 class AdamW {
  public:
   // Matrices and embeddings (dim >= 2) get weight decay; norms and biases do not. Moments

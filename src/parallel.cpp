@@ -2,7 +2,6 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/core/GradMode.h>
 
 namespace lockstep {
@@ -78,28 +77,16 @@ void DataParallel::sync_gradients() {
     flat_grad_.div_(static_cast<double>(world_));
     return;
   }
-  // Two buckets in flight at a time: the next one is on its way while the last one finishes,
-  // and the backends' staging stays at two buckets.
-  Pipeline works;
-  for (int64_t at = 0; at < block_; at += bucket_) {
-    const int64_t n = std::min(bucket_, block_ - at);
-    std::vector<at::Tensor> in;
-    for (int r = 0; r < world_; ++r) in.push_back(flat_grad_.narrow(0, r * block_ + at, n));
-    at::Tensor out = grad_block_.narrow(0, at, n);
-    works.add(comm_->reduce_scatter_sum_async(in, out));
-  }
-  works.drain();
+  in_buckets([&](int64_t from, int64_t n) {
+    at::Tensor out = grad_block_.narrow(0, from, n);
+    return comm_->reduce_scatter_sum_async(rank_blocks(flat_grad_, from, n), out);
+  });
   flat_grad_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(world_));
 }
 
 std::vector<AdamWParam> DataParallel::optimizer_params() {
+  if (!sharded_) return with_zero_moments(params_);
   std::vector<AdamWParam> out;
-  if (!sharded_) {
-    for (const auto& p : params_)
-      out.push_back({p.name, p.tensor, {}, at::zeros_like(p.tensor), at::zeros_like(p.tensor),
-                     p.tensor.dim() >= 2});
-    return out;
-  }
   // The parameters that intersect [shard_offset, shard_offset + shard_length).
   int64_t off = 0;
   for (const auto& p : params_) {
@@ -124,16 +111,28 @@ void DataParallel::gather_parameters(bool from_params) {
     flat_param_.copy_(master_);
     return;
   }
-  Pipeline works;
-  for (int64_t at = 0; at < block_; at += bucket_) {
-    const int64_t n = std::min(bucket_, block_ - at);
-    std::vector<at::Tensor> out;
-    for (int r = 0; r < world_; ++r) out.push_back(flat_param_.narrow(0, r * block_ + at, n));
-    works.add(comm_->all_gather_async(master_.narrow(0, at, n), out));
-  }
-  works.drain();
+  in_buckets([&](int64_t from, int64_t n) {
+    return comm_->all_gather_async(master_.narrow(0, from, n), rank_blocks(flat_param_, from, n));
+  });
 }
 
 void DataParallel::zero_grad() { flat_grad_.zero_(); }
+
+std::vector<at::Tensor> DataParallel::rank_blocks(const at::Tensor& flat, int64_t from,
+                                                  int64_t n) const {
+  std::vector<at::Tensor> out;
+  for (int r = 0; r < world_; ++r) out.push_back(flat.narrow(0, r * block_ + from, n));
+  return out;
+}
+
+void DataParallel::in_buckets(
+    const std::function<std::unique_ptr<CommWork>(int64_t from, int64_t n)>& start) {
+  // Two buckets in flight at a time: the next one is on its way while the last one finishes,
+  // and the backends' staging stays at two buckets.
+  Pipeline works;
+  for (int64_t from = 0; from < block_; from += bucket_)
+    works.add(start(from, std::min(bucket_, block_ - from)));
+  works.drain();
+}
 
 }  // namespace lockstep

@@ -14,6 +14,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
+#include <memory>
 #include <vector>
 
 #include "comm.h"
@@ -62,6 +64,11 @@ class DataParallel {
   const at::Tensor& exp_avg_sq_block() const { return exp_avg_sq_; }
 
  private:
+  // Elements [from, from + n) of every rank's block of `flat`, in rank order.
+  std::vector<at::Tensor> rank_blocks(const at::Tensor& flat, int64_t from, int64_t n) const;
+  // Runs `start(from, n)` for each bucket of the block, two collectives in flight, all waited.
+  void in_buckets(const std::function<std::unique_ptr<CommWork>(int64_t from, int64_t n)>& start);
+
   Comm* comm_;
   bool sharded_;
   int world_ = 1, rank_ = 0;

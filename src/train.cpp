@@ -99,18 +99,12 @@ size_t agreeing_rank(const std::vector<int>& bad) {
 std::vector<int> diverging_ranks(const std::vector<NamedTensor>& params,
                                  const std::vector<NamedTensor>& opt_state, Comm* comm,
                                  std::vector<std::pair<std::string, std::string>>& crcs) {
-  at::Tensor in = at::empty({2}, at::kDouble);  // a CRC32 is exact in a double
-  in.data_ptr<double>()[0] = static_cast<double>(tensors_crc32_value(params));
-  in.data_ptr<double>()[1] = static_cast<double>(tensors_crc32_value(opt_state));
-  const int w = comm->size();
-  at::Tensor out = at::empty({w, 2}, at::kDouble);
-  comm->all_gather(in, out);
-  std::map<std::pair<double, double>, int> votes;
-  std::vector<std::pair<double, double>> all;
-  for (int r = 0; r < w; ++r) {
-    const double* q = out.select(0, r).data_ptr<double>();
-    all.emplace_back(q[0], q[1]);
-    votes[all.back()] += 1;
+  // A CRC32 is exact in a double.
+  const auto all = all_gather_values(comm, {static_cast<double>(tensors_crc32_value(params)),
+                                            static_cast<double>(tensors_crc32_value(opt_state))});
+  std::map<std::vector<double>, int> votes;
+  for (const auto& q : all) {
+    votes[q] += 1;
     crcs.emplace_back(fmt::format("{:08x}", static_cast<uint32_t>(q[0])),
                       fmt::format("{:08x}", static_cast<uint32_t>(q[1])));
   }
@@ -118,8 +112,8 @@ std::vector<int> diverging_ranks(const std::vector<NamedTensor>& params,
   for (auto it = votes.begin(); it != votes.end(); ++it)
     if (it->second > majority->second) majority = it;  // ties: the smaller CRC pair, everywhere
   std::vector<int> out_ranks;
-  for (int r = 0; r < w; ++r)
-    if (all[r] != majority->first) out_ranks.push_back(r);
+  for (size_t r = 0; r < all.size(); ++r)
+    if (all[r] != majority->first) out_ranks.push_back(static_cast<int>(r));
   return out_ranks;
 }
 
@@ -174,19 +168,13 @@ nlohmann::json top_params(const std::vector<NamedTensor>& grads, const GradCheck
 
 // The one collective of the decision: every rank's 64-byte stats, in rank order.
 std::vector<RankStats> gather_stats(const RankStats& mine, Comm* comm) {
-  const int w = comm ? comm->size() : 1;
-  std::vector<RankStats> all(static_cast<size_t>(w));
-  if (w == 1) {
-    all[0] = mine;
-    return all;
-  }
-  at::Tensor in = at::empty({kRankStatsDoubles}, at::kDouble);
-  std::memcpy(in.data_ptr<double>(), &mine, sizeof mine);
-  at::Tensor out = at::empty({w, kRankStatsDoubles}, at::kDouble);
-  comm->all_gather(in, out);
-  std::memcpy(static_cast<void*>(all.data()), out.data_ptr<double>(),
-              sizeof(RankStats) * all.size());
-  return all;
+  std::vector<double> values(kRankStatsDoubles);
+  std::memcpy(values.data(), &mine, sizeof mine);
+  const auto all = all_gather_values(comm, values);
+  std::vector<RankStats> out(all.size());
+  for (size_t r = 0; r < all.size(); ++r)
+    std::memcpy(static_cast<void*>(&out[r]), all[r].data(), sizeof mine);
+  return out;
 }
 
 // Per rank: the sample ids of its batch and their losses. Gathered on anomalous steps only
@@ -198,27 +186,13 @@ struct SampleTable {
 
 SampleTable gather_samples(const std::vector<int64_t>& ids, const std::vector<double>& losses,
                            Comm* comm) {
-  const int w = comm ? comm->size() : 1;
-  const auto n = static_cast<int64_t>(ids.size());
+  const size_t n = ids.size();
+  std::vector<double> mine(ids.begin(), ids.end());  // exact below 2^53
+  mine.insert(mine.end(), losses.begin(), losses.end());
   SampleTable t;
-  if (w == 1) {
-    t.ids = {ids};
-    t.losses = {losses};
-    return t;
-  }
-  at::Tensor in = at::empty({2 * n}, at::kDouble);
-  double* p = in.data_ptr<double>();
-  for (int64_t i = 0; i < n; ++i) {
-    p[i] = static_cast<double>(ids[i]);  // exact below 2^53
-    p[n + i] = losses[i];
-  }
-  at::Tensor out = at::empty({w, 2 * n}, at::kDouble);
-  comm->all_gather(in, out);
-  for (int r = 0; r < w; ++r) {
-    const double* q = out.select(0, r).data_ptr<double>();
-    t.ids.emplace_back(n);
-    t.losses.emplace_back(q + n, q + 2 * n);
-    for (int64_t i = 0; i < n; ++i) t.ids.back()[i] = static_cast<int64_t>(q[i]);
+  for (const auto& q : all_gather_values(comm, mine)) {
+    t.ids.emplace_back(q.begin(), q.begin() + static_cast<long>(n));
+    t.losses.emplace_back(q.begin() + static_cast<long>(n), q.end());
   }
   return t;
 }

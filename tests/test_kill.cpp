@@ -51,26 +51,6 @@ std::vector<std::pair<pid_t, int>> job_processes(const std::string& marker) {
   return out;
 }
 
-std::string launch_command(Launcher l, int world, const std::string& args) {
-  const std::string n = std::to_string(world), port = test::next_port();
-  const std::string bin = LOCKSTEP_BIN;
-  switch (l) {
-    case Launcher::kLockstepRun:
-      return std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " + n + " --master-port " + port +
-             " -- " + bin + " " + args;
-    case Launcher::kMpirunMpi:
-    case Launcher::kMpirunGloo:
-      return "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
-             " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + port +
-             " " + bin + " " + args + " --parallelism.backend " +
-             (l == Launcher::kMpirunMpi ? "mpi" : "gloo");
-    case Launcher::kTorchrun:
-      return std::string(TORCHRUN) + " --no-python --nproc-per-node " + n + " --master-port " +
-             port + " " + bin + " " + args;
-  }
-  return "";
-}
-
 struct KillResult {
   int launcher_status = 0;
   double seconds_to_exit = 0;
@@ -87,7 +67,7 @@ KillResult kill_one_rank(Launcher l, int world, const std::string& dir, int vict
       " --training.seq_len 32 --metrics.log_freq 1 --checkpoint.interval 1"
       " --checkpoint.keep_latest_k 2 --comm.train_timeout_seconds " + std::to_string(kTimeout);
   const std::string log = dir + ".out";
-  const std::string cmd = "exec " + launch_command(l, world, args) + " >" + log + " 2>&1";
+  const std::string cmd = "exec " + test::launch_command(world, args, l) + " >" + log + " 2>&1";
   const pid_t launcher = ::fork();
   if (launcher == 0) {
     ::setpgid(0, 0);
@@ -157,7 +137,7 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     EXPECT_TRUE(left.empty()) << left.size() << " orphan process(es), e.g. pid " << left[0].first;
     // The latest complete checkpoint loads and checks out.
-    auto info = test::capture(std::string(LOCKSTEP_BIN) + " checkpoint info " + dir / "run/checkpoint");
+    auto info = test::run_lockstep("checkpoint info " + dir / "run/checkpoint");
     EXPECT_EQ(info.code, 0) << info.out;
     EXPECT_EQ(info.out.find("MISMATCH"), std::string::npos) << info.out;
   }

@@ -26,7 +26,6 @@ std::string train_args(const std::string& dir, int steps, const std::string& ext
          " --lr_scheduler.warmup_steps 3 " + extra;
 }
 
-CliRun one_rank(const std::string& args) { return test::capture(std::string(LOCKSTEP_BIN) + " " + args); }
 
 void expect_close(const std::vector<double>& got, const std::vector<double>& want,
                   const std::string& what, size_t from = 0) {
@@ -48,7 +47,7 @@ void seed_checkpoint(const std::string& from, int step, const std::string& to) {
 TEST(Sharded, MatchesDdpAndOneRankWithTheSameGlobalBatch) {
   test::TempDir dir;
   const std::string off = "--checkpoint.enable false --diagnostics.verify_every 1";
-  ASSERT_EQ(one_rank(train_args(dir / "one", 10, off + " --training.local_batch_size 8")).code, 0);
+  ASSERT_EQ(test::run_lockstep(train_args(dir / "one", 10, off + " --training.local_batch_size 8")).code, 0);
   CliRun ddp = test::run_on_ranks(2, train_args(dir / "ddp", 10, off + " --training.local_batch_size 4"),
                                   Launcher::kLockstepRun);
   ASSERT_EQ(ddp.code, 0) << ddp.out;
@@ -122,7 +121,7 @@ TEST(Sharded, CheckpointsResumeAtAnyWorldSizeAndInEitherMode) {
     seed_checkpoint(dir / "full", 6, run);
     // Three ranks of 4 make a global batch of 12, not 8: compare the counters, not the losses.
     const std::string args = train_args(run, 12, ck + " " + r.args);
-    CliRun c = r.world == 1 ? one_rank(args) : test::run_on_ranks(r.world, args, Launcher::kLockstepRun);
+    CliRun c = r.world == 1 ? test::run_lockstep(args) : test::run_on_ranks(r.world, args, Launcher::kLockstepRun);
     ASSERT_EQ(c.code, 0) << c.out;
     EXPECT_NE(c.out.find("resumed from"), std::string::npos) << c.out;
     const auto o = test::outcome(run, r.world);
@@ -158,20 +157,20 @@ TEST(Sharded, ADamagedOrMissingShardIsNamed) {
   test::write_bytes(shard, bad);
   const std::string resume = train_args(dir / "full", 8, "--training.local_batch_size 8 "
                                                           "--parallelism.mode sharded");
-  CliRun r = one_rank(resume);
+  CliRun r = test::run_lockstep(resume);
   EXPECT_EQ(r.code, 3) << r.out;
   EXPECT_NE(r.out.find("optimizer-rank1.safetensors"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("CRC32"), std::string::npos) << r.out;
-  CliRun info = one_rank("checkpoint info " + dir / "full/checkpoint");
+  CliRun info = test::run_lockstep("checkpoint info " + dir / "full/checkpoint");
   EXPECT_NE(info.out.find("sharded"), std::string::npos) << info.out;
 
   std::filesystem::remove(shard);
-  r = one_rank(resume);
+  r = test::run_lockstep(resume);
   EXPECT_EQ(r.code, 3) << r.out;
   EXPECT_NE(r.out.find("optimizer-rank1.safetensors"), std::string::npos) << r.out;
 
   test::write_bytes(shard, good);
-  EXPECT_EQ(one_rank(resume).code, 0) << "restored: the checkpoint loads again";
+  EXPECT_EQ(test::run_lockstep(resume).code, 0) << "restored: the checkpoint loads again";
 }
 
 // ---- a full disk during a save ------------------------------------------------------------
@@ -238,7 +237,7 @@ TEST(CheckpointSave, AFullDiskLeavesTheEarlierCheckpointAndSaysSo) {
     for (const auto& e : std::filesystem::directory_iterator(dir / "disk"))
       left.push_back(e.path().filename().string());
     EXPECT_EQ(left, std::vector<std::string>{"step-3"});
-    CliRun info = one_rank("checkpoint info " + dir / "disk");
+    CliRun info = test::run_lockstep("checkpoint info " + dir / "disk");
     EXPECT_EQ(info.code, 0) << info.out;
     EXPECT_EQ(info.out.find("MISMATCH"), std::string::npos) << info.out;
     EXPECT_EQ(info.out.find("crc32 ") != std::string::npos, true) << info.out;

@@ -77,7 +77,7 @@ TEST(Security, NoShellNoWritableFilesNoSecrets) {
                          " --metrics.log_freq 1 --model.dim 32 --model.n_heads 2"
                          " --model.max_seq_len 32 --training.seq_len 32");
   ASSERT_EQ(r.code, 0) << r.out;
-  auto bad = test::capture(std::string(LOCKSTEP_BIN) + " train --job.dump_folder " + dir / "bad" +
+  auto bad = test::run_lockstep("train --job.dump_folder " + dir / "bad" +
                            " --data.source file --data.path '" + dir.path() + "/x; touch " + marker + "'");
   EXPECT_EQ(bad.code, 3) << bad.out;
   EXPECT_FALSE(std::filesystem::exists(marker)) << "a value reached a shell";

@@ -89,6 +89,14 @@ inline RunOutcome outcome(const std::string& run_dir, int ranks) {
   return o;
 }
 
+// Runs `lockstep ARGS` as one process; returns its exit code and output.
+inline CliRun run_lockstep(const std::string& args) {
+  std::string cmd = LOCKSTEP_BIN;
+  cmd += " ";
+  cmd += args;
+  return capture(cmd);
+}
+
 // The launchers the multi-process tests drive.
 enum class Launcher { kLockstepRun, kMpirunMpi, kMpirunGloo, kTorchrun };
 
@@ -98,27 +106,39 @@ inline std::string next_port() {
   return std::to_string(24000 + static_cast<int>((::getpid() * 7 + offset++) % 20000));
 }
 
-// Runs `lockstep ARGS` on `world` ranks under `launcher` (mpirun: MPI or Gloo collectives);
-// returns the launcher's exit code and output. LOCKSTEP_BIN etc. come from tests/CMakeLists.
-inline CliRun run_on_ranks(int world, const std::string& args, Launcher launcher,
-                           const std::string& launcher_args = "") {
+// The command line that runs `lockstep ARGS` on `world` ranks under `launcher` (mpirun: MPI or
+// Gloo collectives). LOCKSTEP_BIN etc. come from tests/CMakeLists.
+inline std::string launch_command(int world, const std::string& args, Launcher launcher,
+                                  const std::string& launcher_args = "") {
   const std::string port = next_port(), n = std::to_string(world);
-  const std::string cmd = std::string(LOCKSTEP_BIN) + " " + args;
+  std::string cmd;
   switch (launcher) {
     case Launcher::kLockstepRun:
-      return capture(std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node " + n +
-                     " --master-port " + port + " " + launcher_args + " -- " + cmd);
+      cmd = LOCKSTEP_RUN_BIN;
+      cmd += " --nproc-per-node " + n + " --master-port " + port + " " + launcher_args + " --";
+      break;
     case Launcher::kMpirunMpi:
     case Launcher::kMpirunGloo:
-      return capture("env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
-                     " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" +
-                     port + " " + cmd + " --parallelism.backend " +
-                     (launcher == Launcher::kMpirunMpi ? "mpi" : "gloo"));
+      cmd = "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC;
+      cmd += " --oversubscribe -np " + n + " -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + port;
+      break;
     case Launcher::kTorchrun:
-      return capture(std::string(TORCHRUN) + " --no-python --nproc-per-node " + n +
-                     " --master-port " + port + " " + launcher_args + " " + cmd);
+      cmd = TORCHRUN;
+      cmd += " --no-python --nproc-per-node " + n + " --master-port " + port + " " + launcher_args;
+      break;
   }
-  return {1, "unknown launcher"};
+  cmd += " ";
+  cmd += LOCKSTEP_BIN;
+  cmd += " " + args;
+  if (launcher == Launcher::kMpirunMpi) cmd += " --parallelism.backend mpi";
+  if (launcher == Launcher::kMpirunGloo) cmd += " --parallelism.backend gloo";
+  return cmd;
+}
+
+// Runs it; returns the launcher's exit code and output.
+inline CliRun run_on_ranks(int world, const std::string& args, Launcher launcher,
+                           const std::string& launcher_args = "") {
+  return capture(launch_command(world, args, launcher, launcher_args));
 }
 
 }  // namespace lockstep::test
