@@ -158,29 +158,44 @@ void set_cpu_rng_state(const std::string& hex) {
   gen.set_state(state);
 }
 
+// The tensor `name` of the decoded file `path`; InputError when it has none.
+const TensorView& tensor_in(const std::map<std::string, TensorView>& views,
+                            const std::string& path, const std::string& name) {
+  auto it = views.find(name);
+  if (it == views.end())
+    throw InputError(fmt::format("checkpoint file '{}' has no tensor '{}'; it was written by "
+                                 "a different model or optimizer",
+                                 path, name));
+  return it->second;
+}
+
+// InputError when the bytes of `v` do not match the CRC32 meta.json stores for `name`, or
+// when none is stored and one is `required`.
+void verify_crc(const TensorView& v, const json& crcs, const std::string& path,
+                const std::string& name, bool required) {
+  const bool stored = crcs.contains(name);
+  if ((required && !stored) ||
+      (stored && crcs[name].get<std::string>() != crc_hex(v.data, v.bytes)))
+    throw InputError(fmt::format("checkpoint file '{}': tensor '{}' fails its CRC32 check (the "
+                                 "file is corrupt); resume from another step with "
+                                 "checkpoint.load_step",
+                                 path, name));
+}
+
 void load_into(const std::vector<NamedTensor>& targets, const std::string& path,
                const json& crcs) {
   const std::string bytes = fs::read_file(path);
   auto views = decode_safetensors(bytes, path);
   c10::AutoGradMode no_grad(false);
   for (const auto& t : targets) {
-    auto it = views.find(t.name);
-    if (it == views.end())
-      throw InputError(fmt::format("checkpoint file '{}' has no tensor '{}'; it was written by "
-                                   "a different model or optimizer",
-                                   path, t.name));
-    const TensorView& v = it->second;
+    const TensorView& v = tensor_in(views, path, t.name);
     if (v.shape != t.tensor.sizes().vec() || v.dtype != t.tensor.scalar_type())
       throw InputError(fmt::format(
           "checkpoint file '{}': tensor '{}' is {} {}, this run expects {} {}; resume with the "
           "model config the checkpoint was written with",
           path, t.name, c10::toString(v.dtype), fmt::join(v.shape, "x"),
           c10::toString(t.tensor.scalar_type()), fmt::join(t.tensor.sizes().vec(), "x")));
-    if (crcs.contains(t.name) && crcs[t.name].get<std::string>() != crc_hex(v.data, v.bytes))
-      throw InputError(fmt::format("checkpoint file '{}': tensor '{}' fails its CRC32 check (the "
-                                   "file is corrupt); resume from another step with "
-                                   "checkpoint.load_step",
-                                   path, t.name));
+    verify_crc(v, crcs, path, t.name, /*required=*/false);  // older files may lack some
     at::Tensor staged = at::empty(v.shape, at::TensorOptions().dtype(v.dtype));
     std::memcpy(staged.data_ptr(), v.data, v.bytes);
     t.tensor.detach().copy_(staged);
@@ -441,25 +456,15 @@ class FlatMoments {
       it->second.bytes = fs::read_file(path);
       it->second.views = decode_safetensors(it->second.bytes, path);
     }
-    auto v = it->second.views.find(name);
-    if (v == it->second.views.end())
-      throw InputError(fmt::format("checkpoint file '{}' has no tensor '{}'; it was written by "
-                                   "a different model or optimizer",
-                                   path, name));
-    const TensorView& t = v->second;
+    const TensorView& t = tensor_in(it->second.views, path, name);
     if (t.dtype != at::kFloat || static_cast<int64_t>(t.bytes / 4) != numel)
       throw InputError(fmt::format("checkpoint file '{}': tensor '{}' is {} with {} bytes, "
                                    "expected {} fp32 elements; the file does not belong to this "
                                    "checkpoint",
                                    path, name, c10::toString(t.dtype), t.bytes, numel));
-    if (checked_.insert(file + "/" + name).second) {
-      const json& crcs = checksums_.contains(file) ? checksums_[file] : json::object();
-      if (!crcs.contains(name) || crcs[name].get<std::string>() != crc_hex(t.data, t.bytes))
-        throw InputError(fmt::format("checkpoint file '{}': tensor '{}' fails its CRC32 check "
-                                     "(the file is corrupt); resume from another step with "
-                                     "checkpoint.load_step",
-                                     path, name));
-    }
+    if (checked_.insert(file + "/" + name).second)
+      verify_crc(t, checksums_.contains(file) ? checksums_[file] : json::object(), path, name,
+                 /*required=*/true);
     return t;
   }
 
