@@ -37,8 +37,22 @@ args=(--job.dump_folder "$run" --training.steps "$steps" --training.threads 1
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(date -u +%F)"
 echo "soak: $ranks ranks x $steps steps${*:+ ($*)}, random faults p=0.01 per rank and step, 3 poisoned samples of ~1985 (each drawn once per epoch), rank $crash_rank SIGKILLed at step $crash_step, run dir $run"
-# A free port of its own (several soaks may run at once, e.g. under ctest -j).
-port="${LOCKSTEP_SOAK_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+# A free port of its own (several soaks may run at once, e.g. under ctest -j), below the kernel's
+# ephemeral range so no other process's connection is handed it before the store binds it.
+port="${LOCKSTEP_SOAK_PORT:-$(python3 - <<'PY'
+import os, random, socket
+low, high = 10000, int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for port in random.Random(os.getpid()).sample(range(low, high), 200):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+    print(port)
+    break
+PY
+)}"
 start=$SECONDS
 "$bin/lockstep-run" --nproc-per-node "$ranks" --master-port "$port" --max-restarts 1 -- "$bin/lockstep" train "${args[@]}" \
   >"$run.log" 2>&1 || { tail -20 "$run.log"; echo "soak: FAILED (the run did not complete)" >&2; exit 1; }

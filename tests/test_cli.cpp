@@ -112,7 +112,7 @@ TEST(Cli, TwoRanksOverGlooMatchOneRankWithTheSameGlobalBatch) {
   ASSERT_EQ(one.code, 0) << one.out;
 
   // Two processes with torchrun's environment contract.
-  const int port = 21000 + static_cast<int>(::getpid() % 20000);
+  const int port = lockstep::test::free_port();
   const std::string env = "WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                           std::to_string(port);
   const std::string args = " train --job.dump_folder " + dir / "two" +
@@ -132,7 +132,7 @@ TEST(Cli, TwoRanksOverGlooMatchOneRankWithTheSameGlobalBatch) {
 
 TEST(Cli, AKilledRankMakesTheOtherExitInsteadOfHanging) {
   lockstep::test::TempDir dir;
-  const int port = 22000 + static_cast<int>(::getpid() % 20000);
+  const int port = lockstep::test::free_port();
   auto spawn = [&](int rank) {
     return spawn_shell("exec env RANK=" + std::to_string(rank) +
                        " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
@@ -256,7 +256,7 @@ CliRun launcher(const std::string& args) {
 
 TEST(LockstepRun, TrainsTwoRanksWithRankPrefixedOutput) {
   lockstep::test::TempDir dir;
-  const int port = 23000 + static_cast<int>(::getpid() % 20000);
+  const int port = lockstep::test::free_port();
   CliRun r = launcher("--nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
                       LOCKSTEP_BIN + " train --job.dump_folder " + dir / "run" +
                       " --training.steps 6 --training.threads 1 --checkpoint.enable false"
@@ -321,7 +321,7 @@ TEST(LockstepRun, ForwardsSigtermAndLeavesNoWorkerBehind) {
 }
 
 TEST(LockstepRun, BenchCommChecksEveryCollective) {
-  const int port = 24000 + static_cast<int>(::getpid() % 20000);
+  const int port = lockstep::test::free_port();
   CliRun r = launcher("--nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
                       LOCKSTEP_BIN + " bench comm --sizes 4096 65536 --iters 3");
   EXPECT_EQ(r.code, 0) << r.out;

@@ -130,7 +130,7 @@ TEST(CommGloo, OtherBackendsAreNamed) {
 
 TEST(CommGloo, RendezvousThroughATcpStoreWithTorchrunPrefix) {
   // Two ranks as threads, rank 0 serving the TCPStore, keys under /worker/attempt_1.
-  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  const int port = test::free_port();
   std::vector<std::string> errors(2);
   std::vector<double> sums(2);
   std::vector<std::thread> threads;

@@ -44,7 +44,7 @@ std::vector<std::string> listeners(int port) {
 
 TEST(Security, TheRendezvousStoreListensOnLoopbackOnly) {
   test::TempDir dir;
-  const int port = std::stoi(test::next_port());
+  const int port = test::free_port();
   const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node 2 --master-port " +
                           std::to_string(port) + " -- " + LOCKSTEP_BIN + " train --job.dump_folder " +
                           dir / "run" + " --training.steps 100000 --training.threads 1"

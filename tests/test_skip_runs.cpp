@@ -420,7 +420,7 @@ TEST(Reliability, DesyncIsCaughtAndNamesTheDivergingRank) {
 
 TEST(Reliability, SigtermStopsEveryRankAfterACheckpoint) {
   test::TempDir dir;
-  const int port = 25000 + static_cast<int>(::getpid() % 20000);
+  const int port = test::free_port();
   std::string args;
   for (const auto& [k, v] : tiny(dir.path(), 100000)) args += " --" + k + " '" + v + "'";
   const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) +

@@ -1,9 +1,13 @@
 // Helpers shared by the tests.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iterator>
@@ -100,17 +104,37 @@ inline CliRun run_lockstep(const std::string& args) {
 // The launchers the multi-process tests drive.
 enum class Launcher { kLockstepRun, kMpirunMpi, kMpirunGloo, kTorchrun };
 
-// A port for one multi-process run: spread by pid, different on each call.
-inline std::string next_port() {
+// A port for one multi-process run's rendezvous store: free now, below the kernel's ephemeral
+// range (so no concurrent test's outgoing connection or Gloo listener is handed it between this
+// check and the store's bind), spread by pid so parallel ctest processes start apart, and a
+// different one on each call.
+inline int free_port() {
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  const int low = 10000, span = std::max(ephemeral_low - low, 1000);
   static int offset = 0;
-  return std::to_string(24000 + static_cast<int>((::getpid() * 7 + offset++) % 20000));
+  for (int tries = 0; tries < span; ++tries) {
+    const int port = low + static_cast<int>((::getpid() * 7919L + 13L * offset++) % span);
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (bound) return port;
+  }
+  return low + static_cast<int>(::getpid() % span);
 }
 
 // The command line that runs `lockstep ARGS` on `world` ranks under `launcher` (mpirun: MPI or
 // Gloo collectives). LOCKSTEP_BIN etc. come from tests/CMakeLists.
 inline std::string launch_command(int world, const std::string& args, Launcher launcher,
                                   const std::string& launcher_args = "") {
-  const std::string port = next_port(), n = std::to_string(world);
+  const std::string port = std::to_string(free_port()), n = std::to_string(world);
   std::string cmd;
   switch (launcher) {
     case Launcher::kLockstepRun:
