@@ -53,6 +53,17 @@ LS_INLINE void loadw(const unsigned char* p, typename Vec<W>::f& x, typename Vec
   }
 }
 
+// 2W bf16 elements at p as the fp32 bit patterns of two W-lane vectors, without a widening
+// shuffle: read as W 32-bit words, each word's low half shifted up and its high half masked are
+// exact fp32 values. Lane order differs from element order, which no sum minds.
+template <int W>
+LS_INLINE void bf16_pair(const unsigned char* p, typename Vec<W>::i& lo, typename Vec<W>::i& hi) {
+  typename Vec<W>::i b;
+  std::memcpy(&b, p, sizeof b);
+  lo = b << 16;
+  hi = b & static_cast<int32_t>(0xffff0000u);
+}
+
 // One element as a double, or nullopt-like: returns false when nonfinite.
 template <DType D>
 LS_INLINE bool load1(const unsigned char* p, double& v) {
@@ -131,10 +142,17 @@ LS_INLINE double fast_run(const unsigned char* q, int64_t n) {
   int64_t i = 0;
   for (; i + 4 * W <= n; i += 4 * W) {  // 4 independent accumulators hide the add latency
     vf x0, x1, x2, x3;
-    load(q + (i + 0 * W) * kSize, x0, special);
-    load(q + (i + 1 * W) * kSize, x1, special);
-    load(q + (i + 2 * W) * kSize, x2, special);
-    load(q + (i + 3 * W) * kSize, x3, special);
+    if constexpr (D == DType::kBF16) {
+      vi b0, b1, b2, b3;
+      bf16_pair<W>(q + i * kSize, b0, b1);
+      bf16_pair<W>(q + (i + 2 * W) * kSize, b2, b3);
+      x0 = (vf)b0, x1 = (vf)b1, x2 = (vf)b2, x3 = (vf)b3;
+    } else {
+      load(q + (i + 0 * W) * kSize, x0, special);
+      load(q + (i + 1 * W) * kSize, x1, special);
+      load(q + (i + 2 * W) * kSize, x2, special);
+      load(q + (i + 3 * W) * kSize, x3, special);
+    }
     a0 += x0 * x0;
     a1 += x1 * x1;
     a2 += x2 * x2;
@@ -172,8 +190,17 @@ LS_INLINE SpanStats exact_run(const unsigned char* q, int64_t n) {
   for (; i + 2 * W <= n; i += 2 * W) {
     vf x0, x1;
     vi n0, n1;
-    loadw<D, W>(q + i * kSize, x0, n0);
-    loadw<D, W>(q + (i + W) * kSize, x1, n1);
+    if constexpr (D == DType::kBF16) {
+      vi b0, b1;
+      bf16_pair<W>(q + i * kSize, b0, b1);
+      n0 = (b0 & kF32ExpMask) == kF32ExpMask;
+      n1 = (b1 & kF32ExpMask) == kF32ExpMask;
+      x0 = (vf)(b0 & ~n0);
+      x1 = (vf)(b1 & ~n1);
+    } else {
+      loadw<D, W>(q + i * kSize, x0, n0);
+      loadw<D, W>(q + (i + W) * kSize, x1, n1);
+    }
     a0 += x0 * x0;
     a1 += x1 * x1;
     c += n0 + n1;  // each lane adds -1 per nonfinite element
@@ -270,8 +297,13 @@ LS_INLINE double sum_narrow(const unsigned char* p, int64_t count) {
         std::memcpy(&x1, q + (i + 1 * W) * 4, sizeof x1);
         std::memcpy(&x2, q + (i + 2 * W) * 4, sizeof x2);
         std::memcpy(&x3, q + (i + 3 * W) * 4, sizeof x3);
+      } else if constexpr (D == DType::kBF16) {  // the same reads as the check's
+        vi b0, b1, b2, b3;
+        bf16_pair<W>(q + i * 2, b0, b1);
+        bf16_pair<W>(q + (i + 2 * W) * 2, b2, b3);
+        x0 = (vf)b0, x1 = (vf)b1, x2 = (vf)b2, x3 = (vf)b3;
       } else {
-        vi m;  // the conversion is part of reading bf16/fp16, the checks are not
+        vi m;  // the conversion is part of reading fp16, the checks are not
         loadw<D, W>(q + (i + 0 * W) * kSize, x0, m);
         loadw<D, W>(q + (i + 1 * W) * kSize, x1, m);
         loadw<D, W>(q + (i + 2 * W) * kSize, x2, m);

@@ -4,9 +4,15 @@
 #include "gradcheck_cuda.h"
 #endif
 
+#include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <fmt/core.h>
+
+// map_blocks' at::parallel_for (and the bench's) would quietly run on one thread.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#error "lockstep_core must be compiled with OpenMP (CMake: OpenMP::OpenMP_CXX) when ATen uses it"
+#endif
 
 #include <stdexcept>
 
