@@ -64,6 +64,18 @@ LS_INLINE void bf16_pair(const unsigned char* p, typename Vec<W>::i& lo, typenam
   hi = b & static_cast<int32_t>(0xffff0000u);
 }
 
+// 4W bf16 elements at p as four W-lane fp32 vectors (the unrolled reads of the fast path and
+// of the sum baseline).
+template <int W>
+LS_INLINE void bf16_quad(const unsigned char* p, typename Vec<W>::f& x0, typename Vec<W>::f& x1,
+                         typename Vec<W>::f& x2, typename Vec<W>::f& x3) {
+  using vf = typename Vec<W>::f;
+  typename Vec<W>::i b0, b1, b2, b3;
+  bf16_pair<W>(p, b0, b1);
+  bf16_pair<W>(p + 4 * W, b2, b3);  // 2W bf16 further on
+  x0 = (vf)b0, x1 = (vf)b1, x2 = (vf)b2, x3 = (vf)b3;
+}
+
 // One element as a double, or nullopt-like: returns false when nonfinite.
 template <DType D>
 LS_INLINE bool load1(const unsigned char* p, double& v) {
@@ -143,10 +155,7 @@ LS_INLINE double fast_run(const unsigned char* q, int64_t n) {
   for (; i + 4 * W <= n; i += 4 * W) {  // 4 independent accumulators hide the add latency
     vf x0, x1, x2, x3;
     if constexpr (D == DType::kBF16) {
-      vi b0, b1, b2, b3;
-      bf16_pair<W>(q + i * kSize, b0, b1);
-      bf16_pair<W>(q + (i + 2 * W) * kSize, b2, b3);
-      x0 = (vf)b0, x1 = (vf)b1, x2 = (vf)b2, x3 = (vf)b3;
+      bf16_quad<W>(q + i * kSize, x0, x1, x2, x3);
     } else {
       load(q + (i + 0 * W) * kSize, x0, special);
       load(q + (i + 1 * W) * kSize, x1, special);
@@ -298,10 +307,7 @@ LS_INLINE double sum_narrow(const unsigned char* p, int64_t count) {
         std::memcpy(&x2, q + (i + 2 * W) * 4, sizeof x2);
         std::memcpy(&x3, q + (i + 3 * W) * 4, sizeof x3);
       } else if constexpr (D == DType::kBF16) {  // the same reads as the check's
-        vi b0, b1, b2, b3;
-        bf16_pair<W>(q + i * 2, b0, b1);
-        bf16_pair<W>(q + (i + 2 * W) * 2, b2, b3);
-        x0 = (vf)b0, x1 = (vf)b1, x2 = (vf)b2, x3 = (vf)b3;
+        bf16_quad<W>(q + i * 2, x0, x1, x2, x3);
       } else {
         vi m;  // the conversion is part of reading fp16, the checks are not
         loadw<D, W>(q + (i + 0 * W) * kSize, x0, m);
