@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Quick start, command 1: install what is missing, build, and run the skip demo on the embedded
-# default job: 2 CPU ranks under lockstep-run, skipping on, a bad batch injected on rank 1
+# Quick start, command 1: install what is missing, build, and run the skip demo on the built-in
+# default job (configs/default.toml): 2 CPU ranks under lockstep-run, skipping on, a bad batch injected on rank 1
 # (a NaN gradient at step 120) and a loss spike on rank 0 at step 200. The run completes, the
 # log shows the skips, `lockstep diag` names the culprit ranks and sample ids (and writes a
 # quarantine file), and `lockstep report` draws outputs/default/report.png.

@@ -65,13 +65,19 @@ else
   TORCH_PREFIX=$(torch_ok "$LOCKSTEP_ROOT/.venv/bin/python") || die "torch in .venv is not usable"
 fi
 
-# --- matplotlib for `lockstep report`, in the .venv lockstep made ----------------
-if [[ -x "$LOCKSTEP_ROOT/.venv/bin/python" ]] && ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import matplotlib" 2>/dev/null; then
-  say "installing matplotlib into .venv (lockstep report draws with it)"
-  "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check matplotlib 2>&1 \
-    | { grep -v "^WARNING: Location" || true; } \
-    || die "pip install matplotlib failed; lockstep report needs it"
+# --- Python tools in .venv: matplotlib (`lockstep report`), lizard (launch/lint.sh) -----
+if [[ ! -x "$LOCKSTEP_ROOT/.venv/bin/python" ]]; then
+  say "creating .venv for lockstep's Python tools"
+  python3 -m venv "$LOCKSTEP_ROOT/.venv" || die "python3 -m venv failed; install python3-venv"
 fi
+for tool in matplotlib lizard; do
+  if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import $tool" 2>/dev/null; then
+    say "installing $tool into .venv"
+    "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "$tool" 2>&1 \
+      | { grep -v "^WARNING: Location" || true; } \
+      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard"
+  fi
+done
 
 # --- configure + build -----------------------------------------------------------
 mkdir -p "$LOCKSTEP_BUILD_DIR"

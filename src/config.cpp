@@ -6,6 +6,7 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -17,9 +18,31 @@
 
 #include <toml++/toml.h>
 
+#include "diag/fault.h"
 #include "lockstep/error.h"
+#include "text.h"
 
 namespace lockstep {
+
+// The spelling of every choice, in enum order.
+#define LOCKSTEP_CHOICES(E, ...)                                                \
+  template <>                                                                   \
+  std::span<const std::string_view> choice_names<E>() {                         \
+    static constexpr auto kNames = std::to_array<std::string_view>({__VA_ARGS__}); \
+    return kNames;                                                              \
+  }
+LOCKSTEP_CHOICES(ModelName, "gpt")
+LOCKSTEP_CHOICES(DeviceKind, "auto", "cpu", "cuda")
+LOCKSTEP_CHOICES(OptimizerName, "AdamW")
+LOCKSTEP_CHOICES(AdamWImpl, "fused", "for-loop")
+LOCKSTEP_CHOICES(DecayType, "linear", "cosine", "constant")
+LOCKSTEP_CHOICES(OnSkip, "advance", "hold")
+LOCKSTEP_CHOICES(DataSource, "synthetic", "file")
+LOCKSTEP_CHOICES(TokenFormat, "auto", "bytes", "uint16")
+LOCKSTEP_CHOICES(Backend, "auto", "gloo", "mpi", "nccl")
+LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded")
+#undef LOCKSTEP_CHOICES
+
 namespace {
 
 // Well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF).
@@ -51,7 +74,7 @@ struct Field {
   std::string key;
   Type type;
   std::string help;
-  std::function<Value(const Config&)> get;
+  std::function<Value(const Config&)> get;  // a choice reads as its name
   std::function<void(Config&, const Value&)> set;
   double min = -std::numeric_limits<double>::infinity();
   double max = std::numeric_limits<double>::infinity();
@@ -98,208 +121,228 @@ Field bool_field(const char* section, const char* key, Section<S> sec, bool S::*
 
 template <typename S>
 Field string_field(const char* section, const char* key, Section<S> sec, std::string S::*m,
-                   std::vector<std::string> choices, const char* help) {
-  Field f{section, key, choices.empty() ? Type::kString : Type::kChoice, help,
-          [=](const Config& c) { return Value{(c.*sec).*m}; },
-          [=](Config& c, const Value& v) { (c.*sec).*m = std::get<std::string>(v); }};
-  f.choices = std::move(choices);
+                   const char* help) {
+  return Field{section, key, Type::kString, help,
+               [=](const Config& c) { return Value{(c.*sec).*m}; },
+               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<std::string>(v); }};
+}
+
+// A choice: the file spells it as one of choice_names<E>(), the struct holds the enum.
+template <typename S, typename E>
+Field choice_field(const char* section, const char* key, Section<S> sec, E S::*m,
+                   const char* help) {
+  Field f{section, key, Type::kChoice, help,
+          [=](const Config& c) { return Value{std::string(name_of((c.*sec).*m))}; },
+          [=](Config& c, const Value& v) {
+            const auto names = choice_names<E>();
+            const auto it = std::find(names.begin(), names.end(), std::get<std::string>(v));
+            (c.*sec).*m = static_cast<E>(it - names.begin());  // checked against the names
+          }};
+  for (auto n : choice_names<E>()) f.choices.emplace_back(n);
   return f;
 }
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kMaxInt = 9.0e15;  // exactly representable, larger than anything sane
+using C = Config;
 
+void job_and_model_fields(std::vector<Field>& t) {
+  t.push_back(string_field("job", "dump_folder", &C::job, &JobConfig::dump_folder,
+                           "run directory: resolved config, logs, metrics, checkpoints"));
+  t.push_back(string_field("job", "description", &C::job, &JobConfig::description,
+                           "free text, written into the run directory"));
+  t.push_back(choice_field("model", "name", &C::model, &ModelConfig::name,
+                           "model family: a GPT-style decoder-only transformer"));
+  t.push_back(int_field("model", "vocab_size", &C::model, &ModelConfig::vocab_size, 2, 1 << 24,
+                        "vocabulary size (256 for byte-level data)"));
+  t.push_back(int_field("model", "dim", &C::model, &ModelConfig::dim, 1, 1 << 16,
+                        "embedding width; a multiple of n_heads"));
+  t.push_back(int_field("model", "n_layers", &C::model, &ModelConfig::n_layers, 1, 1024,
+                        "number of transformer blocks"));
+  t.push_back(int_field("model", "n_heads", &C::model, &ModelConfig::n_heads, 1, 1024,
+                        "attention heads per block"));
+  t.push_back(int_field("model", "mlp_ratio", &C::model, &ModelConfig::mlp_ratio, 1, 64,
+                        "MLP hidden width = mlp_ratio * dim"));
+  t.push_back(int_field("model", "max_seq_len", &C::model, &ModelConfig::max_seq_len, 1, 1 << 20,
+                        "positions the model can embed; >= training.seq_len"));
+  t.push_back(float_field("model", "norm_eps", &C::model, &ModelConfig::norm_eps, 0, true, 1,
+                          "LayerNorm epsilon"));
+  t.push_back(float_field("model", "dropout", &C::model, &ModelConfig::dropout, 0, false, 0.999,
+                          "dropout probability on attention and residual paths"));
+  t.push_back(float_field("model", "init_std", &C::model, &ModelConfig::init_std, 0, true, 10,
+                          "std of the normal weight initialisation"));
+}
+
+void training_fields(std::vector<Field>& t) {
+  using T = TrainingConfig;
+  t.push_back(int_field("training", "steps", &C::training, &T::steps, 1, kMaxInt,
+                        "optimizer steps to train"));
+  t.push_back(int_field("training", "local_batch_size", &C::training, &T::local_batch_size, 1,
+                        1 << 20, "sequences per micro-batch on each rank"));
+  t.push_back(int_field("training", "seq_len", &C::training, &T::seq_len, 1, 1 << 20,
+                        "tokens per sequence"));
+  t.push_back(int_field("training", "seed", &C::training, &T::seed, 0, kMaxInt,
+                        "seed of the weight init, the data order and dropout"));
+  t.push_back(float_field("training", "max_norm", &C::training, &T::max_norm, 0, false, kInf,
+                          "clip the global gradient norm to this; 0 = off"));
+  t.push_back(int_field("training", "gradient_accumulation_steps", &C::training,
+                        &T::gradient_accumulation_steps, 1, 1 << 16,
+                        "micro-batches per optimizer step"));
+  t.push_back(choice_field("training", "device", &C::training, &T::device,
+                           "auto = cuda when available, else cpu"));
+  t.push_back(int_field("training", "threads", &C::training, &T::threads, 0, 4096,
+                        "intra-op CPU threads per rank; 0 = the cores shared among the ranks of "
+                        "a node"));
+}
+
+void optimizer_fields(std::vector<Field>& t) {
+  using O = OptimizerConfig;
+  using L = LRSchedulerConfig;
+  t.push_back(choice_field("optimizer", "name", &C::optimizer, &O::name, "optimizer"));
+  t.push_back(choice_field("optimizer", "implementation", &C::optimizer, &O::implementation,
+                           "fused = ATen _fused_adamw_ (falls back to for-loop if missing)"));
+  t.push_back(float_field("optimizer", "lr", &C::optimizer, &O::lr, 0, true, 10,
+                          "peak learning rate"));
+  t.push_back(float_field("optimizer", "beta1", &C::optimizer, &O::beta1, 0, false, 0.999999,
+                          "Adam first-moment decay"));
+  t.push_back(float_field("optimizer", "beta2", &C::optimizer, &O::beta2, 0, false, 0.999999,
+                          "Adam second-moment decay"));
+  t.push_back(float_field("optimizer", "eps", &C::optimizer, &O::eps, 0, true, 1,
+                          "Adam epsilon"));
+  t.push_back(float_field("optimizer", "weight_decay", &C::optimizer, &O::weight_decay, 0, false,
+                          10, "decoupled weight decay on matrices (not on norms and biases)"));
+  t.push_back(int_field("lr_scheduler", "warmup_steps", &C::lr_scheduler, &L::warmup_steps, 0,
+                        kMaxInt, "linear warmup steps to the peak lr"));
+  t.push_back(choice_field("lr_scheduler", "decay_type", &C::lr_scheduler, &L::decay_type,
+                           "decay after warmup, to min_lr_factor * lr at the last step"));
+  t.push_back(float_field("lr_scheduler", "min_lr_factor", &C::lr_scheduler, &L::min_lr_factor,
+                          0, false, 1, "final lr as a fraction of the peak"));
+  t.push_back(choice_field("lr_scheduler", "on_skip", &C::lr_scheduler, &L::on_skip,
+                           "on a skipped step: advance = the lr moves on with the step count; "
+                           "hold = it follows optimizer steps only"));
+}
+
+void checkpoint_and_data_fields(std::vector<Field>& t) {
+  using K = CheckpointConfig;
+  using D = DataConfig;
+  t.push_back(bool_field("checkpoint", "enable", &C::checkpoint, &K::enable,
+                         "save checkpoints and resume from them"));
+  t.push_back(string_field("checkpoint", "folder", &C::checkpoint, &K::folder,
+                           "checkpoint folder: relative to job.dump_folder, or absolute"));
+  t.push_back(int_field("checkpoint", "interval", &C::checkpoint, &K::interval, 1, kMaxInt,
+                        "save every this many steps (and at the end)"));
+  t.push_back(int_field("checkpoint", "keep_latest_k", &C::checkpoint, &K::keep_latest_k, 0,
+                        kMaxInt, "keep this many newest checkpoints; 0 = keep all"));
+  t.push_back(int_field("checkpoint", "load_step", &C::checkpoint, &K::load_step, -1, kMaxInt,
+                        "resume: -1 = latest if any, 0 = start fresh, N = step N"));
+  t.push_back(int_field("metrics", "log_freq", &C::metrics, &MetricsConfig::log_freq, 1, kMaxInt,
+                        "progress line and metrics record every this many steps"));
+  t.push_back(choice_field("data", "source", &C::data, &D::source,
+                           "synthetic = embedded generated corpus; file = data.path"));
+  t.push_back(string_field("data", "path", &C::data, &D::path,
+                           "token file for source = \"file\""));
+  t.push_back(choice_field("data", "format", &C::data, &D::format,
+                           "bytes = one token per byte; uint16 = little-endian ids; "
+                           "auto = uint16 for .bin, else bytes"));
+  t.push_back(int_field("data", "synthetic_tokens", &C::data, &D::synthetic_tokens, 1024,
+                        1LL << 31, "length of the generated corpus"));
+  t.push_back(string_field("data", "exclude_ids_file", &C::data, &D::exclude_ids_file,
+                           "file of sample ids never to draw, one per line (the quarantine "
+                           "file `lockstep diag` writes); \"\" = none"));
+}
+
+void parallelism_fields(std::vector<Field>& t) {
+  using P = ParallelismConfig;
+  using M = CommConfig;
+  t.push_back(choice_field("parallelism", "backend", &C::parallelism, &P::backend,
+                           "collectives between ranks: auto = nccl on GPUs, gloo on CPUs; "
+                           "mpi = OpenMPI (launch with mpirun); nccl needs a CUDA build"));
+  t.push_back(choice_field("parallelism", "mode", &C::parallelism, &P::mode,
+                           "ddp: replicated parameters and optimizer, gradients all-reduced; "
+                           "sharded (ZeRO-2): gradients reduce-scattered, each rank keeps and "
+                           "updates 1/W of the master weights and AdamW state, parameters "
+                           "all-gathered"));
+  t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0, true,
+                          1 << 16,
+                          "sharded: MiB moved per reduce-scatter / all-gather call (all ranks' "
+                          "blocks together); bounds the backends' staging buffers"));
+  t.push_back(float_field("comm", "init_timeout_seconds", &C::comm, &M::init_timeout_seconds, 0,
+                          true, 86400, "time allowed for all ranks to meet at start"));
+  t.push_back(float_field("comm", "train_timeout_seconds", &C::comm, &M::train_timeout_seconds,
+                          0, true, 86400,
+                          "time allowed for each collective; past it the job fails, no hang"));
+  t.push_back(string_field("comm", "store_listen_address", &C::comm, &M::store_listen_address,
+                           "where rank 0's rendezvous store listens: auto = only the address "
+                           "MASTER_ADDR names (loopback on one node); an address; \"0.0.0.0\" "
+                           "= every interface"));
+}
+
+void skip_fields(std::vector<Field>& t) {
+  using S = SkipConfig;
+  t.push_back(bool_field("skip", "enabled", &C::skip, &S::enabled,
+                         "skip bad updates (all ranks agree); false = a nonfinite gradient or "
+                         "loss aborts with diagnostics"));
+  t.push_back(float_field("skip", "max_grad_norm", &C::skip, &S::max_grad_norm, 0, false, kInf,
+                          "skip when the global grad norm exceeds this; 0 = off"));
+  t.push_back(float_field("skip", "grad_norm_zscore", &C::skip, &S::grad_norm_zscore, 0, false,
+                          kInf,
+                          "skip when the grad norm's z-score over the window exceeds this; "
+                          "0 = off"));
+  t.push_back(float_field("skip", "loss_zscore", &C::skip, &S::loss_zscore, 0, false, kInf,
+                          "skip when the loss's z-score over the window exceeds this; 0 = off"));
+  t.push_back(int_field("skip", "window", &C::skip, &S::window, 2, 1 << 20,
+                        "accepted steps in the rolling window of the z-scores"));
+  t.push_back(int_field("skip", "min_history", &C::skip, &S::min_history, 2, 1 << 20,
+                        "z-scores act once the window holds this many accepted steps"));
+  t.push_back(int_field("skip", "max_consecutive", &C::skip, &S::max_consecutive, 0, kMaxInt,
+                        "guard: abort after this many skips in a row; 0 = off"));
+  t.push_back(float_field("skip", "max_fraction", &C::skip, &S::max_fraction, 0, false, 1,
+                          "guard: abort when the skips in the last fraction_window steps "
+                          "exceed this share of it; 0 = off"));
+  t.push_back(int_field("skip", "fraction_window", &C::skip, &S::fraction_window, 1, 1 << 20,
+                        "steps over which max_fraction counts skips"));
+}
+
+void diagnostics_and_fault_fields(std::vector<Field>& t) {
+  using G = DiagnosticsConfig;
+  using F = FaultConfig;
+  t.push_back(bool_field("diagnostics", "local_check", &C::diagnostics, &G::local_check,
+                         "check each rank's own gradient before the sync, to name the culprit "
+                         "rank and parameters"));
+  t.push_back(int_field("diagnostics", "verify_every", &C::diagnostics, &G::verify_every, 0,
+                        kMaxInt,
+                        "every this many steps all ranks compare CRC32s of their parameters "
+                        "and optimizer state (sharded: parameters only, each rank's optimizer "
+                        "block has no replica); a mismatch aborts naming the ranks; 0 = off"));
+  t.push_back(int_field("diagnostics", "top_params", &C::diagnostics, &G::top_params, 0, 1 << 20,
+                        "parameters named per skip or abort event"));
+  t.push_back(string_field("fault", "inject", &C::fault, &F::inject,
+                           "faults at given steps: \"KIND@STEP:RANK, ...\", KIND one of "
+                           "nan_grad, inf_grad, nan_loss, spike, crash (SIGKILL on the first "
+                           "attempt), desync (perturb this rank's weights) (tests and demos)"));
+  t.push_back(float_field("fault", "spike_factor", &C::fault, &F::spike_factor, 0, true, kInf,
+                          "a spike multiplies the loss and its gradient by this"));
+  t.push_back(string_field("fault", "poison_ids", &C::fault, &F::poison_ids,
+                           "sample ids whose loss is NaN whenever drawn: \"ID, ID, ...\""));
+  t.push_back(float_field("fault", "random_p", &C::fault, &F::random_p, 0, false, 1,
+                          "chance per step and rank of a random fault; 0 = off"));
+  t.push_back(int_field("fault", "random_seed", &C::fault, &F::random_seed, 0, kMaxInt,
+                        "seed of the random faults"));
+  t.push_back(string_field("fault", "random_kinds", &C::fault, &F::random_kinds,
+                           "kinds the random faults draw from, comma-separated"));
+}
+
+// Every key, in the order `config show` prints them.
 const std::vector<Field>& fields() {
   static const std::vector<Field> table = [] {
-    using C = Config;
     std::vector<Field> t;
-    // [job]
-    t.push_back(string_field("job", "dump_folder", &C::job, &JobConfig::dump_folder, {},
-                             "run directory: resolved config, logs, metrics, checkpoints"));
-    t.push_back(string_field("job", "description", &C::job, &JobConfig::description, {},
-                             "free text, written into the run directory"));
-    // [model]
-    t.push_back(string_field("model", "name", &C::model, &ModelConfig::name, {"gpt"},
-                             "model family: a GPT-style decoder-only transformer"));
-    t.push_back(int_field("model", "vocab_size", &C::model, &ModelConfig::vocab_size, 2, 1 << 24,
-                          "vocabulary size (256 for byte-level data)"));
-    t.push_back(int_field("model", "dim", &C::model, &ModelConfig::dim, 1, 1 << 16,
-                          "embedding width; a multiple of n_heads"));
-    t.push_back(int_field("model", "n_layers", &C::model, &ModelConfig::n_layers, 1, 1024,
-                          "number of transformer blocks"));
-    t.push_back(int_field("model", "n_heads", &C::model, &ModelConfig::n_heads, 1, 1024,
-                          "attention heads per block"));
-    t.push_back(int_field("model", "mlp_ratio", &C::model, &ModelConfig::mlp_ratio, 1, 64,
-                          "MLP hidden width = mlp_ratio * dim"));
-    t.push_back(int_field("model", "max_seq_len", &C::model, &ModelConfig::max_seq_len, 1,
-                          1 << 20, "positions the model can embed; >= training.seq_len"));
-    t.push_back(float_field("model", "norm_eps", &C::model, &ModelConfig::norm_eps, 0, true, 1,
-                            "LayerNorm epsilon"));
-    t.push_back(float_field("model", "dropout", &C::model, &ModelConfig::dropout, 0, false, 0.999,
-                            "dropout probability on attention and residual paths"));
-    t.push_back(float_field("model", "init_std", &C::model, &ModelConfig::init_std, 0, true, 10,
-                            "std of the normal weight initialisation"));
-    // [training]
-    t.push_back(int_field("training", "steps", &C::training, &TrainingConfig::steps, 1, kMaxInt,
-                          "optimizer steps to train"));
-    t.push_back(int_field("training", "local_batch_size", &C::training,
-                          &TrainingConfig::local_batch_size, 1, 1 << 20,
-                          "sequences per micro-batch on each rank"));
-    t.push_back(int_field("training", "seq_len", &C::training, &TrainingConfig::seq_len, 1,
-                          1 << 20, "tokens per sequence"));
-    t.push_back(int_field("training", "seed", &C::training, &TrainingConfig::seed, 0, kMaxInt,
-                          "seed of the weight init, the data order and dropout"));
-    t.push_back(float_field("training", "max_norm", &C::training, &TrainingConfig::max_norm, 0,
-                            false, kInf, "clip the global gradient norm to this; 0 = off"));
-    t.push_back(int_field("training", "gradient_accumulation_steps", &C::training,
-                          &TrainingConfig::gradient_accumulation_steps, 1, 1 << 16,
-                          "micro-batches per optimizer step"));
-    t.push_back(string_field("training", "device", &C::training, &TrainingConfig::device,
-                             {"auto", "cpu", "cuda"}, "auto = cuda when available, else cpu"));
-    t.push_back(int_field("training", "threads", &C::training, &TrainingConfig::threads, 0, 4096,
-                          "intra-op CPU threads per rank; 0 = the cores shared among the ranks of a node"));
-    // [optimizer]
-    t.push_back(string_field("optimizer", "name", &C::optimizer, &OptimizerConfig::name,
-                             {"AdamW"}, "optimizer"));
-    t.push_back(string_field("optimizer", "implementation", &C::optimizer,
-                             &OptimizerConfig::implementation, {"fused", "for-loop"},
-                             "fused = ATen _fused_adamw_ (falls back to for-loop if missing)"));
-    t.push_back(float_field("optimizer", "lr", &C::optimizer, &OptimizerConfig::lr, 0, true, 10,
-                            "peak learning rate"));
-    t.push_back(float_field("optimizer", "beta1", &C::optimizer, &OptimizerConfig::beta1, 0,
-                            false, 0.999999, "Adam first-moment decay"));
-    t.push_back(float_field("optimizer", "beta2", &C::optimizer, &OptimizerConfig::beta2, 0,
-                            false, 0.999999, "Adam second-moment decay"));
-    t.push_back(float_field("optimizer", "eps", &C::optimizer, &OptimizerConfig::eps, 0, true, 1,
-                            "Adam epsilon"));
-    t.push_back(float_field("optimizer", "weight_decay", &C::optimizer,
-                            &OptimizerConfig::weight_decay, 0, false, 10,
-                            "decoupled weight decay on matrices (not on norms and biases)"));
-    // [lr_scheduler]
-    t.push_back(int_field("lr_scheduler", "warmup_steps", &C::lr_scheduler,
-                          &LRSchedulerConfig::warmup_steps, 0, kMaxInt,
-                          "linear warmup steps to the peak lr"));
-    t.push_back(string_field("lr_scheduler", "decay_type", &C::lr_scheduler,
-                             &LRSchedulerConfig::decay_type, {"linear", "cosine", "constant"},
-                             "decay after warmup, to min_lr_factor * lr at the last step"));
-    t.push_back(float_field("lr_scheduler", "min_lr_factor", &C::lr_scheduler,
-                            &LRSchedulerConfig::min_lr_factor, 0, false, 1,
-                            "final lr as a fraction of the peak"));
-    t.push_back(string_field("lr_scheduler", "on_skip", &C::lr_scheduler,
-                             &LRSchedulerConfig::on_skip, {"advance", "hold"},
-                             "on a skipped step: advance = the lr moves on with the step count; "
-                             "hold = it follows optimizer steps only"));
-    // [checkpoint]
-    t.push_back(bool_field("checkpoint", "enable", &C::checkpoint, &CheckpointConfig::enable,
-                           "save checkpoints and resume from them"));
-    t.push_back(string_field("checkpoint", "folder", &C::checkpoint, &CheckpointConfig::folder,
-                             {}, "checkpoint folder: relative to job.dump_folder, or absolute"));
-    t.push_back(int_field("checkpoint", "interval", &C::checkpoint, &CheckpointConfig::interval,
-                          1, kMaxInt, "save every this many steps (and at the end)"));
-    t.push_back(int_field("checkpoint", "keep_latest_k", &C::checkpoint,
-                          &CheckpointConfig::keep_latest_k, 0, kMaxInt,
-                          "keep this many newest checkpoints; 0 = keep all"));
-    t.push_back(int_field("checkpoint", "load_step", &C::checkpoint,
-                          &CheckpointConfig::load_step, -1, kMaxInt,
-                          "resume: -1 = latest if any, 0 = start fresh, N = step N"));
-    // [metrics]
-    t.push_back(int_field("metrics", "log_freq", &C::metrics, &MetricsConfig::log_freq, 1,
-                          kMaxInt, "progress line and metrics record every this many steps"));
-    // [data]
-    t.push_back(string_field("data", "source", &C::data, &DataConfig::source,
-                             {"synthetic", "file"},
-                             "synthetic = embedded generated corpus; file = data.path"));
-    t.push_back(string_field("data", "path", &C::data, &DataConfig::path, {},
-                             "token file for source = \"file\""));
-    t.push_back(string_field("data", "format", &C::data, &DataConfig::format,
-                             {"auto", "bytes", "uint16"},
-                             "bytes = one token per byte; uint16 = little-endian ids; "
-                             "auto = uint16 for .bin, else bytes"));
-    t.push_back(int_field("data", "synthetic_tokens", &C::data, &DataConfig::synthetic_tokens,
-                          1024, 1LL << 31, "length of the generated corpus"));
-    t.push_back(string_field("data", "exclude_ids_file", &C::data, &DataConfig::exclude_ids_file,
-                             {}, "file of sample ids never to draw, one per line (the "
-                             "quarantine file `lockstep diag` writes); \"\" = none"));
-    // [parallelism]
-    t.push_back(string_field("parallelism", "backend", &C::parallelism,
-                             &ParallelismConfig::backend, {"auto", "gloo", "mpi", "nccl"},
-                             "collectives between ranks: auto = nccl on GPUs, gloo on CPUs; "
-                             "mpi = OpenMPI (launch with mpirun); nccl needs a CUDA build"));
-    t.push_back(string_field("parallelism", "mode", &C::parallelism, &ParallelismConfig::mode,
-                             {"ddp", "sharded"},
-                             "ddp: replicated parameters and optimizer, gradients all-reduced; "
-                             "sharded (ZeRO-2): gradients reduce-scattered, each rank keeps and "
-                             "updates 1/W of the master weights and AdamW state, parameters "
-                             "all-gathered"));
-    t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism,
-                            &ParallelismConfig::bucket_mb, 0, true, 1 << 16,
-                            "sharded: MiB moved per reduce-scatter / all-gather call (all ranks' "
-                            "blocks together); bounds the backends' staging buffers"));
-    // [comm]
-    t.push_back(float_field("comm", "init_timeout_seconds", &C::comm,
-                            &CommConfig::init_timeout_seconds, 0, true, 86400,
-                            "time allowed for all ranks to meet at start"));
-    t.push_back(float_field("comm", "train_timeout_seconds", &C::comm,
-                            &CommConfig::train_timeout_seconds, 0, true, 86400,
-                            "time allowed for each collective; past it the job fails, no hang"));
-    t.push_back(string_field("comm", "store_listen_address", &C::comm,
-                             &CommConfig::store_listen_address, {},
-                             "where rank 0's rendezvous store listens: auto = only the address "
-                             "MASTER_ADDR names (loopback on one node); an address; \"0.0.0.0\" "
-                             "= every interface"));
-    // [skip]
-    t.push_back(bool_field("skip", "enabled", &C::skip, &SkipConfig::enabled,
-                           "skip bad updates (all ranks agree); false = a nonfinite gradient or "
-                           "loss aborts with diagnostics"));
-    t.push_back(float_field("skip", "max_grad_norm", &C::skip, &SkipConfig::max_grad_norm, 0,
-                            false, kInf, "skip when the global grad norm exceeds this; 0 = off"));
-    t.push_back(float_field("skip", "grad_norm_zscore", &C::skip, &SkipConfig::grad_norm_zscore,
-                            0, false, kInf,
-                            "skip when the grad norm's z-score over the window exceeds this; "
-                            "0 = off"));
-    t.push_back(float_field("skip", "loss_zscore", &C::skip, &SkipConfig::loss_zscore, 0, false,
-                            kInf, "skip when the loss's z-score over the window exceeds this; "
-                            "0 = off"));
-    t.push_back(int_field("skip", "window", &C::skip, &SkipConfig::window, 2, 1 << 20,
-                          "accepted steps in the rolling window of the z-scores"));
-    t.push_back(int_field("skip", "min_history", &C::skip, &SkipConfig::min_history, 2, 1 << 20,
-                          "z-scores act once the window holds this many accepted steps"));
-    t.push_back(int_field("skip", "max_consecutive", &C::skip, &SkipConfig::max_consecutive, 0,
-                          kMaxInt, "guard: abort after this many skips in a row; 0 = off"));
-    t.push_back(float_field("skip", "max_fraction", &C::skip, &SkipConfig::max_fraction, 0,
-                            false, 1,
-                            "guard: abort when the skips in the last fraction_window steps "
-                            "exceed this share of it; 0 = off"));
-    t.push_back(int_field("skip", "fraction_window", &C::skip, &SkipConfig::fraction_window, 1,
-                          1 << 20, "steps over which max_fraction counts skips"));
-    // [diagnostics]
-    t.push_back(bool_field("diagnostics", "local_check", &C::diagnostics,
-                           &DiagnosticsConfig::local_check,
-                           "check each rank's own gradient before the sync, to name the culprit "
-                           "rank and parameters"));
-    t.push_back(int_field("diagnostics", "verify_every", &C::diagnostics,
-                          &DiagnosticsConfig::verify_every, 0, kMaxInt,
-                          "every this many steps all ranks compare CRC32s of their parameters "
-                          "and optimizer state (sharded: parameters only, each rank's optimizer "
-                          "block has no replica); a mismatch aborts naming the ranks; 0 = off"));
-    t.push_back(int_field("diagnostics", "top_params", &C::diagnostics,
-                          &DiagnosticsConfig::top_params, 0, 1 << 20,
-                          "parameters named per skip or abort event"));
-    // [fault]
-    t.push_back(string_field("fault", "inject", &C::fault, &FaultConfig::inject, {},
-                             "faults at given steps: \"KIND@STEP:RANK, ...\", KIND one of "
-                             "nan_grad, inf_grad, nan_loss, spike, crash (SIGKILL on the first "
-                             "attempt), desync (perturb this rank's weights) (tests and demos)"));
-    t.push_back(float_field("fault", "spike_factor", &C::fault, &FaultConfig::spike_factor, 0,
-                            true, kInf, "a spike multiplies the loss and its gradient by this"));
-    t.push_back(string_field("fault", "poison_ids", &C::fault, &FaultConfig::poison_ids, {},
-                             "sample ids whose loss is NaN whenever drawn: \"ID, ID, ...\""));
-    t.push_back(float_field("fault", "random_p", &C::fault, &FaultConfig::random_p, 0, false, 1,
-                            "chance per step and rank of a random fault; 0 = off"));
-    t.push_back(int_field("fault", "random_seed", &C::fault, &FaultConfig::random_seed, 0,
-                          kMaxInt, "seed of the random faults"));
-    t.push_back(string_field("fault", "random_kinds", &C::fault, &FaultConfig::random_kinds, {},
-                             "kinds the random faults draw from, comma-separated"));
+    job_and_model_fields(t);
+    training_fields(t);
+    optimizer_fields(t);
+    checkpoint_and_data_fields(t);
+    parallelism_fields(t);
+    skip_fields(t);
+    diagnostics_and_fault_fields(t);
     return t;
   }();
   return table;
@@ -308,34 +351,6 @@ const std::vector<Field>& fields() {
 // ---------------------------------------------------------------------------
 // Suggestions for typos
 // ---------------------------------------------------------------------------
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
-    }
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
-
-std::string nearest(std::string_view wanted, const std::vector<std::string>& candidates) {
-  std::string best;
-  size_t best_d = std::numeric_limits<size_t>::max();
-  for (const auto& c : candidates) {
-    size_t d = edit_distance(wanted, c);
-    if (d < best_d) {
-      best_d = d;
-      best = c;
-    }
-  }
-  // Only suggest what is plausibly a typo.
-  if (best_d > std::max<size_t>(2, wanted.size() / 3)) return "";
-  return best;
-}
 
 std::vector<std::string> all_names() {
   std::vector<std::string> out;
@@ -525,18 +540,16 @@ void validate_cross(const Config& c) {
         "invalid value for 'training.seq_len': {} exceeds model.max_seq_len = {}; raise "
         "model.max_seq_len or lower training.seq_len",
         c.training.seq_len, c.model.max_seq_len));
-  if (c.data.source == "file" && c.data.path.empty())
+  if (c.data.source == DataSource::kFile && c.data.path.empty())
     throw ConfigError(
         "missing value for 'data.path': data.source = \"file\" needs a token file; set "
         "data.path or use data.source = \"synthetic\"");
-  if (c.data.source == "synthetic" && c.model.vocab_size < 256)
+  if (c.data.source == DataSource::kSynthetic && c.model.vocab_size < 256)
     throw ConfigError(fmt::format(
         "invalid value for 'model.vocab_size': {} is too small for the synthetic byte corpus; "
         "expected >= 256",
         c.model.vocab_size));
-  parse_fault_inject(c.fault.inject);
-  parse_fault_kinds(c.fault.random_kinds, "fault.random_kinds");
-  parse_id_list(c.fault.poison_ids, "fault.poison_ids");
+  validate_fault_config(c.fault);
   if (c.skip.min_history > c.skip.window)
     throw ConfigError(fmt::format(
         "invalid value for 'skip.min_history': {} exceeds skip.window = {}; lower "
@@ -546,82 +559,7 @@ void validate_cross(const Config& c) {
     throw ConfigError("invalid value for 'job.dump_folder': \"\"; expected a directory path");
 }
 
-// Splits "a, b ,c" at commas; empty items (and an empty text) give no items.
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t end = text.find(',', start);
-    if (end == std::string::npos) end = text.size();
-    std::string item = text.substr(start, end - start);
-    const auto first = item.find_first_not_of(" \t");
-    const auto last = item.find_last_not_of(" \t");
-    if (first != std::string::npos) out.push_back(item.substr(first, last - first + 1));
-    start = end + 1;
-  }
-  return out;
-}
-
-bool parse_int(std::string_view s, int64_t& out) {
-  const char* end = s.data() + s.size();
-  auto r = std::from_chars(s.data(), end, out);
-  return r.ec == std::errc() && r.ptr == end && !s.empty();
-}
-
 }  // namespace
-
-const std::vector<std::string>& fault_kinds() {
-  static const std::vector<std::string> kinds = {"nan_grad", "inf_grad", "nan_loss", "spike",
-                                                 "crash", "desync"};
-  return kinds;
-}
-
-std::vector<std::string> parse_fault_kinds(const std::string& text, const std::string& key) {
-  std::vector<std::string> out;
-  for (const auto& k : split_list(text)) {
-    if (std::find(fault_kinds().begin(), fault_kinds().end(), k) == fault_kinds().end()) {
-      std::string hint = nearest(k, fault_kinds());
-      throw ConfigError(fmt::format(
-          "invalid value for '{}': unknown fault kind \"{}\"{}; expected nan_grad, inf_grad, "
-          "nan_loss, spike, crash or desync",
-          key, k, hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
-    }
-    out.push_back(k);
-  }
-  return out;
-}
-
-std::vector<FaultInjection> parse_fault_inject(const std::string& text) {
-  std::vector<FaultInjection> out;
-  for (const auto& item : split_list(text)) {
-    const auto at = item.find('@'), colon = item.find(':', at == std::string::npos ? 0 : at);
-    FaultInjection f;
-    if (at == std::string::npos || at == 0 || colon == std::string::npos ||
-        !parse_int(std::string_view(item).substr(at + 1, colon - at - 1), f.step) ||
-        !parse_int(std::string_view(item).substr(colon + 1), f.rank) || f.step < 1 || f.rank < 0)
-      throw ConfigError(fmt::format(
-          "invalid value for 'fault.inject': \"{}\"; expected KIND@STEP:RANK with STEP >= 1 "
-          "and RANK >= 0, e.g. \"nan_grad@120:1\"",
-          item));
-    f.kind = parse_fault_kinds(item.substr(0, at), "fault.inject").at(0);
-    out.push_back(f);
-  }
-  return out;
-}
-
-std::vector<int64_t> parse_id_list(const std::string& text, const std::string& key) {
-  std::vector<int64_t> out;
-  for (const auto& item : split_list(text)) {
-    int64_t v;
-    if (!parse_int(item, v) || v < 0)
-      throw ConfigError(fmt::format(
-          "invalid value for '{}': \"{}\" is not a sample id; expected non-negative integers "
-          "separated by commas",
-          key, item));
-    out.push_back(v);
-  }
-  return out;
-}
 
 Config load_config(std::string_view toml_text, const std::string& origin,
                    const std::vector<Override>& overrides) {
@@ -663,6 +601,10 @@ Config load_config(std::string_view toml_text, const std::string& origin,
   }
   validate_cross(c);
   return c;
+}
+
+Config default_config(const std::vector<Override>& overrides) {
+  return load_config("", "<defaults>", overrides);
 }
 
 Config load_config_file(const std::string& path, const std::vector<Override>& overrides) {

@@ -1,4 +1,4 @@
-#include "lockstep/ranks.h"
+#include "ranks.h"
 
 #include <fmt/core.h>
 

@@ -14,8 +14,4 @@ struct NamedTensor {
   at::Tensor tensor;
 };
 
-// "cpu" | "cuda" | "auto" -> a device (cuda: the GPU of this local rank, made current);
-// throws ConfigError if cuda is asked for but missing.
-c10::Device resolve_device(const std::string& name, int local_rank = 0);
-
 }  // namespace lockstep

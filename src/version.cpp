@@ -9,7 +9,7 @@
 #include "kernels/device_info.h"
 #endif
 #ifdef LOCKSTEP_WITH_MPI
-#include "mpi_info.h"
+#include "comm/mpi_info.h"
 #endif
 
 namespace lockstep {

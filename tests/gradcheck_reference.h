@@ -12,7 +12,7 @@
 #include <cmath>
 #include <vector>
 
-#include "gradcheck.h"
+#include "check/gradcheck.h"
 
 namespace lockstep::test {
 

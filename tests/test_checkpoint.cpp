@@ -5,11 +5,11 @@
 #include <filesystem>
 #include <fstream>
 
-#include "checkpoint.h"
+#include "checkpoint/checkpointer.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
-#include "model.h"
-#include "optim.h"
+#include "model/gpt.h"
+#include "optim/adamw.h"
 #include "test_util.h"
 
 using namespace lockstep;

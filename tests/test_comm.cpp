@@ -9,7 +9,7 @@
 
 #include <thread>
 
-#include "comm.h"
+#include "comm/comm.h"
 #include "lockstep/error.h"
 #include "test_util.h"
 
@@ -114,12 +114,28 @@ TEST(CommGloo, AMissingRankTimesOutInsteadOfHanging) {
   EXPECT_LT(secs, 15.0);
 }
 
-TEST(CommGloo, OtherBackendsAreNamed) {
+TEST(CommFactory, ResolvesAutoAndRefusesWhatCannotWork) {
+  const c10::Device cpu(c10::kCPU);
+  EXPECT_EQ(resolve_backend(Backend::kAuto, cpu), Backend::kGloo);
+  EXPECT_EQ(resolve_backend(Backend::kGloo, cpu), Backend::kGloo);
+  auto error = [&](Backend b) {
+    try {
+      resolve_backend(b, cpu);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  // NCCL moves GPU memory: refused for CPU tensors, naming the key and the way out.
+  EXPECT_NE(error(Backend::kNccl).find("'parallelism.backend': \"nccl\" moves GPU memory"),
+            std::string::npos);
+  EXPECT_EQ(error(Backend::kMpi) == "accepted", mpi_available());
+  // The store path serves gloo and nccl only; nccl needs a CUDA build.
   CommOptions o;
-  o.backend = "ucc";
-  EXPECT_THROW(make_comm_file_store("/tmp/unused", 0, 1, o), ConfigError);
+  o.backend = Backend::kMpi;
+  EXPECT_THROW(make_comm_file_store("/tmp/unused", 0, 1, o), std::invalid_argument);
   if (nccl_available()) return;  // a CUDA build: tests/test_comm_nccl.cpp runs it on a GPU
-  o.backend = "nccl";
+  o.backend = Backend::kNccl;
   try {
     make_comm_file_store("/tmp/unused", 0, 1, o);
     FAIL() << "nccl without CUDA must be refused";
@@ -146,7 +162,7 @@ TEST(CommGloo, RendezvousThroughATcpStoreWithTorchrunPrefix) {
         ranks.restart_count = 1;
         CommOptions o;
         o.init_timeout_seconds = 30;
-        auto comm = make_comm(ranks, o);
+        auto comm = make_c10d_comm(ranks, o);
         at::Tensor t = at::full({2}, static_cast<double>(r + 1), at::kDouble);
         comm->all_reduce_sum(t);
         sums[r] = t[1].item<double>();

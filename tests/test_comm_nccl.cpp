@@ -7,7 +7,7 @@
 #include <ATen/ops/full.h>
 #include <gtest/gtest.h>
 
-#include "comm.h"
+#include "comm/comm.h"
 #include "test_util.h"
 
 using namespace lockstep;
@@ -44,7 +44,7 @@ TEST(NcclComm, CollectivesGiveExactValuesOnOneGpu) {
   ASSERT_TRUE(nccl_available());
   test::TempDir dir;
   CommOptions o;
-  o.backend = "nccl";
+  o.backend = Backend::kNccl;
   auto c = make_comm_file_store(dir / "store", 0, 1, o);
   EXPECT_EQ(c->backend(), "nccl");
   const auto cuda = at::TensorOptions().device(at::kCUDA, 0);

@@ -2,9 +2,11 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
 #include "lockstep/config.h"
 #include "lockstep/error.h"
+#include "test_util.h"
 
 using lockstep::Config;
 using lockstep::ConfigError;
@@ -33,18 +35,36 @@ TEST(Config, EmptyFileGivesDefaults) {
   Config d;
   EXPECT_EQ(c.training.steps, d.training.steps);
   EXPECT_EQ(c.model.dim, 128);
-  EXPECT_EQ(c.optimizer.name, "AdamW");
+  EXPECT_EQ(c.optimizer.name, lockstep::OptimizerName::kAdamW);
   EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
-  EXPECT_EQ(c.lr_scheduler.decay_type, "cosine");
+  EXPECT_EQ(c.lr_scheduler.decay_type, lockstep::DecayType::kCosine);
   EXPECT_EQ(c.checkpoint.load_step, -1);
-  EXPECT_EQ(c.data.source, "synthetic");
+  EXPECT_EQ(c.data.source, lockstep::DataSource::kSynthetic);
 }
 
-TEST(Config, EmbeddedDefaultLoads) {
-  Config c = load_config(lockstep::embedded_default_toml(), "<embedded default>");
-  EXPECT_EQ(c.job.dump_folder, "./outputs/default");
-  EXPECT_EQ(c.training.steps, 300);
-  EXPECT_EQ(c.checkpoint.keep_latest_k, 2);
+// The defaults live in one place, the Config struct: `lockstep train` without a file runs them
+// (default_config), `config show` and `config keys` print them, configs/default.toml spells
+// them out and the README's reference table is `config keys`, verbatim.
+TEST(Config, DefaultsAgreeEverywhere) {
+  const std::string defaults = lockstep::to_toml(Config{});
+  EXPECT_EQ(lockstep::to_toml(lockstep::default_config()), defaults);
+  EXPECT_EQ(lockstep::to_toml(lockstep::load_config_file(LOCKSTEP_SOURCE_DIR "/configs/default.toml")),
+            defaults)
+      << "configs/default.toml sets a value other than the default; change the struct in "
+         "include/lockstep/config.h or the file";
+  const auto show = lockstep::test::capture(std::string(LOCKSTEP_BIN) + " config show");
+  EXPECT_EQ(show.code, 0);
+  EXPECT_EQ(show.out, defaults);
+  const auto keys = lockstep::test::capture(std::string(LOCKSTEP_BIN) + " config keys");
+  EXPECT_EQ(keys.out, lockstep::config_reference_markdown());
+  const std::string readme = lockstep::test::read_text(LOCKSTEP_SOURCE_DIR "/README.md");
+  EXPECT_NE(readme.find(lockstep::config_reference_markdown()), std::string::npos)
+      << "the README's configuration table is not `lockstep config keys`; paste its output";
+  // Choices read back as the enums they name.
+  Config c = load_config("[parallelism]\nmode = \"sharded\"\nbackend = \"mpi\"\n", "t");
+  EXPECT_EQ(c.parallelism.mode, lockstep::ParallelMode::kSharded);
+  EXPECT_EQ(c.parallelism.backend, lockstep::Backend::kMpi);
+  EXPECT_EQ(lockstep::name_of(c.parallelism.mode), "sharded");
 }
 
 TEST(Config, FileValuesAndIntegerForFloat) {
@@ -191,9 +211,24 @@ TEST(Config, ShowRoundTrips) {
   EXPECT_NE(text.find("[lr_scheduler]"), std::string::npos);
 }
 
-TEST(Config, JsonHasEverySection) {
-  std::string j = lockstep::to_json(Config{});
-  for (const char* s : {"\"job\"", "\"model\"", "\"training\"", "\"optimizer\"",
-                        "\"lr_scheduler\"", "\"checkpoint\"", "\"metrics\"", "\"data\""})
-    EXPECT_NE(j.find(s), std::string::npos) << s;
+TEST(Config, JsonHasEverySectionAndKey) {
+  const auto j = nlohmann::json::parse(lockstep::to_json(Config{}));
+  const std::vector<std::string> sections = {
+      "job",  "model",       "training", "optimizer", "lr_scheduler", "checkpoint", "metrics",
+      "data", "parallelism", "comm",     "skip",      "diagnostics",  "fault"};
+  EXPECT_EQ(j.size(), sections.size());
+  for (const auto& s : sections) EXPECT_TRUE(j.contains(s)) << s;
+  // Every key of the reference table (lines "| `section.key` | ...") is in the JSON.
+  std::istringstream table(lockstep::config_reference_markdown());
+  int keys = 0;
+  for (std::string line; std::getline(table, line);) {
+    if (line.rfind("| `", 0) != 0) continue;
+    const size_t dot = line.find('.'), end = line.find('`', 3);
+    const std::string section = line.substr(3, dot - 3), key = line.substr(dot + 1, end - dot - 1);
+    EXPECT_TRUE(j.contains(section) && j[section].contains(key)) << section << "." << key;
+    ++keys;
+  }
+  EXPECT_GT(keys, 60);
+  EXPECT_EQ(j["parallelism"]["mode"], "ddp");  // choices as their names
+  EXPECT_EQ(j["fault"]["random_kinds"], "nan_grad, inf_grad, nan_loss, spike");
 }

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -111,9 +112,20 @@ KillResult kill_one_rank(Launcher l, int world, const std::string& dir, int vict
   return r;
 }
 
+// The seed of the kill points: LOCKSTEP_TEST_SEED when set (to replay a failure), else a fresh
+// one. Printed either way.
+unsigned kill_seed() {
+  const char* env = std::getenv("LOCKSTEP_TEST_SEED");
+  const unsigned seed = env && *env ? static_cast<unsigned>(std::stoul(env))
+                                    : static_cast<unsigned>(std::random_device{}());
+  std::printf("kill points from seed %u (replay: LOCKSTEP_TEST_SEED=%u)\n", seed, seed);
+  return seed;
+}
+
 void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
-  const unsigned seed = static_cast<unsigned>(std::random_device{}());
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const unsigned seed = kill_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (replay: LOCKSTEP_TEST_SEED=" +
+               std::to_string(seed) + ")");
   std::mt19937 rng(seed);
   const int world = 2;
   for (int attempt = 0; attempt < 2; ++attempt) {

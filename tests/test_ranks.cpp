@@ -3,7 +3,7 @@
 #include <map>
 
 #include "lockstep/error.h"
-#include "lockstep/ranks.h"
+#include "ranks.h"
 
 using namespace lockstep;
 

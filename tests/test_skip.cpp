@@ -5,11 +5,11 @@
 #include <cstring>
 #include <limits>
 
-#include "fault.h"
+#include "diag/fault.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
 #include "lockstep/error.h"
-#include "skip.h"
+#include "decide/detector.h"
 #include "test_util.h"
 
 using namespace lockstep;
@@ -213,9 +213,9 @@ TEST(FaultPlan, ExplicitAndRandomFaultsAreDeterministic) {
   FaultConfig f;
   f.inject = "nan_grad@3:1, spike@5:0";
   FaultPlan plan(f, 2);
-  EXPECT_EQ(plan.at(3, 1), "nan_grad");
-  EXPECT_EQ(plan.at(3, 0), "");
-  EXPECT_EQ(plan.at(5, 0), "spike");
+  EXPECT_EQ(plan.at(3, 1), FaultKind::kNanGrad);
+  EXPECT_EQ(plan.at(3, 0), FaultKind::kNone);
+  EXPECT_EQ(plan.at(5, 0), FaultKind::kSpike);
   EXPECT_FALSE(plan.has_poison());
 
   f.inject = "";
@@ -226,11 +226,11 @@ TEST(FaultPlan, ExplicitAndRandomFaultsAreDeterministic) {
   int hits = 0;
   for (int s = 1; s <= 2000; ++s)
     for (int r = 0; r < 4; ++r) {
-      const std::string k = r1.at(s, r);
+      const FaultKind k = r1.at(s, r);
       EXPECT_EQ(k, r2.at(s, r));
-      if (!k.empty()) {
+      if (k != FaultKind::kNone) {
         ++hits;
-        EXPECT_TRUE(k == "nan_loss" || k == "inf_grad") << k;
+        EXPECT_TRUE(k == FaultKind::kNanLoss || k == FaultKind::kInfGrad) << fault_name(k);
       }
     }
   EXPECT_NEAR(hits / 8000.0, 0.1, 0.02);
@@ -274,7 +274,7 @@ TEST(SkipConfig, CommandLineOverridesTheFile) {
   EXPECT_TRUE(c.skip.enabled);
   EXPECT_EQ(c.skip.max_grad_norm, 2.0);
   EXPECT_EQ(c.skip.window, 64);
-  EXPECT_EQ(c.lr_scheduler.on_skip, "hold");
+  EXPECT_EQ(c.lr_scheduler.on_skip, OnSkip::kHold);
   EXPECT_FALSE(load_config("", "x").skip.enabled) << "skipping is opt-in";
 }
 

@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "fault.h"
+#include "diag/fault.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
 #include "lockstep/error.h"
@@ -249,7 +249,7 @@ void expect_agreement(int world, int steps, uint64_t seed,
   for (int s = 1; s <= steps; ++s) {
     std::set<int> c;
     for (int rank = 0; rank < world; ++rank)
-      if (!plan.at(s, rank).empty()) c.insert(rank);
+      if (plan.at(s, rank) != FaultKind::kNone) c.insert(rank);
     if (!c.empty()) {
       expected_steps.push_back(s);
       expected_culprits.push_back(c);

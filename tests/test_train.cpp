@@ -9,7 +9,7 @@
 #include "lockstep/config.h"
 #include "lockstep/error.h"
 #include "lockstep/train.h"
-#include "metrics.h"
+#include "diag/event.h"
 #include "test_util.h"
 
 using namespace lockstep;
@@ -39,9 +39,8 @@ json meta_of(const std::string& step_dir) {
 
 TEST(Train, LossFallsOnTheDefaultJob) {
   test::TempDir dir;
-  Config c = load_config(embedded_default_toml(), "<embedded default>",
-                         {{"job.dump_folder", dir.path()}, {"training.steps", "60"},
-                          {"checkpoint.enable", "false"}});
+  Config c = default_config({{"job.dump_folder", dir.path()}, {"training.steps", "60"},
+                            {"checkpoint.enable", "false"}});
   TrainResult r = train(c);
   ASSERT_EQ(r.losses.size(), 60u);
   EXPECT_NEAR(r.losses.front(), std::log(256.0), 0.3);
@@ -110,8 +109,15 @@ TEST(Train, GradientAccumulationMatchesALargerBatch) {
                                                {"training.steps", "3"}}));
   TrainResult acc = train(small_job(b.path(), {{"training.gradient_accumulation_steps", "2"},
                                                {"training.steps", "3"}}));
-  // Same samples, same mean gradient: equal up to summation order.
-  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(acc.losses[i], big.losses[i], 1e-4) << i;
+  // Same samples, same mean gradient: equal up to summation order. The losses alone would not
+  // see a wrong 1/accumulation (AdamW is nearly scale-free); the gradient norm does.
+  const auto big_norms = test::grad_norms(a.path()), acc_norms = test::grad_norms(b.path());
+  ASSERT_EQ(big_norms.size(), 3u);
+  ASSERT_EQ(acc_norms.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NEAR(acc.losses[i], big.losses[i], 1e-4) << i;
+    EXPECT_NEAR(acc_norms[i], big_norms[i], 1e-4 * big_norms[i]) << "grad_norm, step " << i + 1;
+  }
 }
 
 TEST(Metrics, NonfiniteNumbersAreExplicitStrings) {

@@ -78,13 +78,23 @@ inline std::vector<nlohmann::json> read_jsonl(const std::string& path) {
 // The metrics file's losses and the "parameters crc32" each rank logs at the end.
 struct RunOutcome {
   std::vector<double> losses;
+  std::vector<double> grad_norms;  // the global norm before clipping, per logged step
   std::vector<std::string> crcs;  // per rank
 };
+
+// The grad_norm of every logged step in a run's metrics (NaN where it was not finite).
+inline std::vector<double> grad_norms(const std::string& run_dir) {
+  std::vector<double> out;
+  for (const auto& m : read_jsonl(run_dir + "/metrics.jsonl"))
+    out.push_back(m["grad_norm"].is_number() ? m["grad_norm"].get<double>() : std::nan(""));
+  return out;
+}
 
 inline RunOutcome outcome(const std::string& run_dir, int ranks) {
   RunOutcome o;
   for (const auto& m : read_jsonl(run_dir + "/metrics.jsonl"))  // NaN is written as "NaN"
     o.losses.push_back(m["loss"].is_number() ? m["loss"].get<double>() : std::nan(""));
+  o.grad_norms = grad_norms(run_dir);
   for (int r = 0; r < ranks; ++r) {
     const std::string text = read_text(run_dir + "/logs/rank" + std::to_string(r) + ".log");
     auto at = text.rfind("parameters crc32 ");

@@ -1,8 +1,14 @@
 // The job configuration: one plain struct per component, read from TOML in one place
 // (src/config.cpp). Section and key names follow torchtitan's where they exist.
+//
+// The initializers below are THE defaults: `lockstep train` without a file trains exactly
+// this struct, `config show` and `config keys` print it, configs/default.toml spells it out
+// and the README's reference table is generated from it (tests prove all of them agree).
+// Choices are enums here; the file spells them as the strings of choice_names<E>().
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -10,19 +16,50 @@
 
 namespace lockstep {
 
+// ---- the choices ------------------------------------------------------------------------
+enum class ModelName { kGpt };
+enum class DeviceKind { kAuto, kCpu, kCuda };       // auto = cuda when available
+enum class OptimizerName { kAdamW };
+enum class AdamWImpl { kFused, kForLoop };          // fused = ATen _fused_adamw_
+enum class DecayType { kLinear, kCosine, kConstant };
+enum class OnSkip { kAdvance, kHold };              // the lr on a skipped step
+enum class DataSource { kSynthetic, kFile };
+enum class TokenFormat { kAuto, kBytes, kUint16 };  // auto: uint16 for .bin, else bytes
+enum class Backend { kAuto, kGloo, kMpi, kNccl };   // auto: nccl on GPUs, gloo on CPUs
+enum class ParallelMode { kDdp, kSharded };         // sharded = ZeRO-2
+
+// The spelling of each value, in declaration order ("gpt", "auto", "cpu", ...).
+template <typename E>
+std::span<const std::string_view> choice_names();
+template <> std::span<const std::string_view> choice_names<ModelName>();
+template <> std::span<const std::string_view> choice_names<DeviceKind>();
+template <> std::span<const std::string_view> choice_names<OptimizerName>();
+template <> std::span<const std::string_view> choice_names<AdamWImpl>();
+template <> std::span<const std::string_view> choice_names<DecayType>();
+template <> std::span<const std::string_view> choice_names<OnSkip>();
+template <> std::span<const std::string_view> choice_names<DataSource>();
+template <> std::span<const std::string_view> choice_names<TokenFormat>();
+template <> std::span<const std::string_view> choice_names<Backend>();
+template <> std::span<const std::string_view> choice_names<ParallelMode>();
+template <typename E>
+std::string_view name_of(E e) {
+  return choice_names<E>()[static_cast<size_t>(e)];
+}
+
+// ---- the sections -----------------------------------------------------------------------
 struct JobConfig {
-  std::string dump_folder = "./outputs";  // the run directory
-  std::string description = "";
+  std::string dump_folder = "./outputs/default";  // the run directory
+  std::string description = "tiny GPT on the synthetic corpus";
 };
 
 struct ModelConfig {
-  std::string name = "gpt";
+  ModelName name = ModelName::kGpt;
   int64_t vocab_size = 256;  // byte-level tokens by default
   int64_t dim = 128;
   int64_t n_layers = 2;
   int64_t n_heads = 4;
   int64_t mlp_ratio = 4;
-  int64_t max_seq_len = 256;
+  int64_t max_seq_len = 128;
   double norm_eps = 1e-5;
   double dropout = 0.0;
   double init_std = 0.02;
@@ -35,13 +72,13 @@ struct TrainingConfig {
   int64_t seed = 42;
   double max_norm = 1.0;  // 0 = no clipping
   int64_t gradient_accumulation_steps = 1;
-  std::string device = "auto";  // auto | cpu | cuda
-  int64_t threads = 0;          // intra-op CPU threads, 0 = all cores
+  DeviceKind device = DeviceKind::kAuto;
+  int64_t threads = 0;  // intra-op CPU threads, 0 = the node's cores shared among its ranks
 };
 
 struct OptimizerConfig {
-  std::string name = "AdamW";
-  std::string implementation = "fused";  // fused | for-loop
+  OptimizerName name = OptimizerName::kAdamW;
+  AdamWImpl implementation = AdamWImpl::kFused;
   double lr = 3e-3;
   double beta1 = 0.9;
   double beta2 = 0.95;
@@ -51,16 +88,16 @@ struct OptimizerConfig {
 
 struct LRSchedulerConfig {
   int64_t warmup_steps = 20;
-  std::string decay_type = "cosine";  // linear | cosine | constant
+  DecayType decay_type = DecayType::kCosine;
   double min_lr_factor = 0.1;
-  std::string on_skip = "advance";  // advance: lr follows `step`; hold: lr follows optimizer steps
+  OnSkip on_skip = OnSkip::kAdvance;  // advance: lr follows `step`; hold: optimizer steps
 };
 
 struct CheckpointConfig {
   bool enable = true;
   std::string folder = "checkpoint";  // inside the run directory
   int64_t interval = 100;
-  int64_t keep_latest_k = 3;  // 0 = keep all
+  int64_t keep_latest_k = 2;  // 0 = keep all
   int64_t load_step = -1;     // -1 = the latest, 0 = start fresh, N = that step
 };
 
@@ -69,52 +106,51 @@ struct MetricsConfig {
 };
 
 struct DataConfig {
-  std::string source = "synthetic";  // synthetic | file
+  DataSource source = DataSource::kSynthetic;
   std::string path = "";
-  std::string format = "auto";  // auto | bytes | uint16 (auto: .bin means uint16)
+  TokenFormat format = TokenFormat::kAuto;
   int64_t synthetic_tokens = 1 << 20;
   std::string exclude_ids_file = "";  // sample ids never drawn (one per line; `lockstep diag`)
 };
 
 struct ParallelismConfig {
-  std::string backend = "auto";  // auto | gloo | mpi | nccl (auto: nccl on GPUs, gloo on CPUs)
-  std::string mode = "ddp";      // ddp | sharded (ZeRO-2)
-  double bucket_mb = 16;         // sharded: MiB per reduce-scatter / all-gather call
+  Backend backend = Backend::kAuto;
+  ParallelMode mode = ParallelMode::kDdp;
+  double bucket_mb = 16;  // sharded: MiB per reduce-scatter / all-gather call
 };
 
 struct CommConfig {
   double init_timeout_seconds = 300;   // rendezvous
   double train_timeout_seconds = 100;  // each collective; a lost rank fails the job, no hang
-  std::string store_listen_address = "auto";  // rendezvous store server: auto = MASTER_ADDR's address
+  std::string store_listen_address = "auto";  // rendezvous store: auto = MASTER_ADDR's address
 };
 
-// Collective-aware skipping of bad updates (design.md). Off by default: then a nonfinite
-// gradient or loss aborts the job cleanly with diagnostics.
+// Collective-aware skipping of bad updates. Off by default: then a nonfinite gradient or loss
+// aborts the job cleanly with diagnostics.
 struct SkipConfig {
   bool enabled = false;
-  double max_grad_norm = 0;       // skip when the global grad norm exceeds this; 0 = off
-  double grad_norm_zscore = 6;    // skip when (norm - mean) / std over the window exceeds this
-  double loss_zscore = 6;         // the same on the global loss; 0 = off
-  int64_t window = 128;           // accepted steps in the rolling window
-  int64_t min_history = 32;       // z-scores act once the window holds this many steps
-  int64_t max_consecutive = 10;   // guard: abort after this many skips in a row; 0 = off
-  double max_fraction = 0.1;      // guard: abort when skips exceed this share of fraction_window
+  double max_grad_norm = 0;      // skip when the global grad norm exceeds this; 0 = off
+  double grad_norm_zscore = 6;   // skip when (norm - mean) / std over the window exceeds this
+  double loss_zscore = 6;        // the same on the global loss; 0 = off
+  int64_t window = 128;          // accepted steps in the rolling window
+  int64_t min_history = 32;      // z-scores act once the window holds this many steps
+  int64_t max_consecutive = 10;  // guard: abort after this many skips in a row; 0 = off
+  double max_fraction = 0.1;     // guard: abort when skips exceed this share of fraction_window
   int64_t fraction_window = 1000;
 };
 
 struct DiagnosticsConfig {
-  bool local_check = true;  // check each rank's own gradient before the sync (attribution)
-  int64_t top_params = 5;   // parameters named per event
-  int64_t verify_every = 0; // cross-rank CRC32 of parameters and optimizer state; 0 = off
+  bool local_check = true;   // check each rank's own gradient before the sync (attribution)
+  int64_t top_params = 5;    // parameters named per event
+  int64_t verify_every = 0;  // cross-rank CRC32 of parameters and optimizer state; 0 = off
 };
 
-// Fault injection for tests and demos, applied where bad data acts: the batch and the loss.
+// Fault injection for tests and demos (src/diag/fault.h has the grammar of these strings).
 struct FaultConfig {
-  std::string inject = "";        // "KIND@STEP:RANK, ...": nan_grad, inf_grad, nan_loss, spike,
-                                  // crash, desync
-  double spike_factor = 1000;     // a spike multiplies the loss (and so the gradient) by this
-  std::string poison_ids = "";    // "ID, ID, ...": a sample whose loss is NaN whenever drawn
-  double random_p = 0;            // chance per (step, rank) of a random fault
+  std::string inject = "";      // "KIND@STEP:RANK, ..."
+  double spike_factor = 1000;   // a spike multiplies the loss (and so the gradient) by this
+  std::string poison_ids = "";  // "ID, ID, ...": a sample whose loss is NaN whenever drawn
+  double random_p = 0;          // chance per (step, rank) of a random fault
   int64_t random_seed = 0;
   std::string random_kinds = "nan_grad, inf_grad, nan_loss, spike";
 };
@@ -135,32 +171,21 @@ struct Config {
   FaultConfig fault;
 };
 
-// One injection from fault.inject: `kind` at 1-based step `step` on rank `rank`.
-struct FaultInjection {
-  std::string kind;
-  int64_t step = 0;
-  int64_t rank = 0;
-};
-// The fault kinds, in the order random faults draw from.
-const std::vector<std::string>& fault_kinds();
-// Parsers of the list-valued strings; throw ConfigError naming `key` and the bad item.
-std::vector<FaultInjection> parse_fault_inject(const std::string& text);
-std::vector<std::string> parse_fault_kinds(const std::string& text, const std::string& key);
-std::vector<int64_t> parse_id_list(const std::string& text, const std::string& key);
-
+// ---- reading and writing ----------------------------------------------------------------
 // One `--section.key value` pair from the command line.
 using Override = std::pair<std::string, std::string>;
 
-// The TOML text embedded in the binary (configs/default.toml).
-std::string_view embedded_default_toml();
-
-// Parses TOML text (`origin` names it in errors: a path or "<embedded default>"), applies the
+// Parses TOML text (`origin` names it in errors: a path or "<defaults>"), applies the
 // overrides, validates everything. Throws ConfigError with one line naming the key and the fix.
+// Keys the text leaves out keep the defaults above.
 Config load_config(std::string_view toml_text, const std::string& origin,
                    const std::vector<Override>& overrides = {});
 
 // Reads a file, then as load_config. A missing or unreadable file is a ConfigError.
 Config load_config_file(const std::string& path, const std::vector<Override>& overrides = {});
+
+// The defaults with overrides applied and validated: what `lockstep train` runs without a file.
+Config default_config(const std::vector<Override>& overrides = {});
 
 // The resolved configuration as TOML, every key present.
 std::string to_toml(const Config& config);

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/config.h"  // TokenFormat
+
 namespace lockstep {
 
 // A read-only sequence of token ids.
@@ -26,9 +28,6 @@ class TokenSource {
 // The embedded synthetic corpus: English-like text from a seeded word-level Markov chain,
 // byte-level tokens (< 128). Same text for the same n_tokens on every machine.
 std::unique_ptr<TokenSource> make_synthetic_source(int64_t n_tokens);
-
-enum class TokenFormat { kAuto, kBytes, kUint16 };
-TokenFormat parse_token_format(const std::string& s);
 
 // A file of raw bytes (one token per byte) or of little-endian uint16 token ids (`.bin`).
 // Throws InputError for a missing, unreadable, empty or malformed file, or a token id

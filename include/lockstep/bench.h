@@ -1,0 +1,43 @@
+// `lockstep bench gradcheck` and `lockstep bench comm`: measured in the same run against the
+// baselines, correctness checked on every timed run.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "lockstep/config.h"  // Backend
+
+namespace lockstep {
+
+struct GradcheckBenchOptions {
+  std::vector<int64_t> sizes_mb = {1, 16, 256, 1024};
+  std::vector<std::string> layouts = {"few", "many"};  // 8 large tensors | 10,000 small ones
+  std::vector<std::string> dtypes = {"fp32", "bf16"};
+  std::string device = "cpu";  // cpu | cuda
+  int threads = 2;
+  double min_seconds = 0.5;  // per method and size, split over 5 interleaved rounds
+  bool json = false;
+};
+
+// Prints a table (or one JSON object per measurement) to stdout. Returns false if any fused
+// result disagreed with the reference.
+bool bench_gradcheck(const GradcheckBenchOptions& options);
+
+struct CommBenchOptions {
+  std::vector<int64_t> sizes_bytes = {1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24};
+  std::vector<std::string> ops = {"all_reduce", "reduce_scatter", "all_gather",
+                                   "broadcast"};
+  int warmup = 2;
+  int iters = 10;
+  bool json = false;
+  Backend backend = Backend::kGloo;  // gloo | mpi | nccl (tensors on the rank's GPU)
+};
+
+// `lockstep bench comm`: run under a launcher (lockstep-run, torchrun, mpirun). Rank 0 prints a
+// size sweep per collective with time, algbw and busbw (nccl-tests' bus factors); every timed
+// iteration's result is checked against the exact expected values. Returns false on a wrong
+// result on any rank.
+bool bench_comm(const CommBenchOptions& options);
+
+}  // namespace lockstep

@@ -1,0 +1,105 @@
+// Checkpoints: one folder per step with model and optimizer tensors in safetensors files and a
+// meta.json (counters, data position, RNG state, config, a CRC32 per tensor). Written into a
+// temporary folder, fsynced and renamed, so a kill at any moment leaves the previous
+// checkpoint loadable. This file is the collective save/load protocol and meta.json;
+// safetensors.h is the file codec, reshard.h reads optimizer state at any world size.
+//
+// Layout of step-N/: model.safetensors (rank 0; the parameters are replicated in both modes),
+// then the optimizer in one of two layouts: optimizer.safetensors (rank 0, a tensor per
+// parameter; meta.json "mode": "ddp") or optimizer-rank<R>.safetensors (one per rank, its block
+// of the flat moments; "mode": "sharded"), and meta.json last.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/reshard.h"
+#include "comm/comm.h"
+#include "lockstep/checkpoint_info.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+// Everything besides tensors that a resumed run needs to continue exactly.
+struct TrainState {
+  int64_t step = 0;             // steps completed
+  int64_t optimizer_steps = 0;  // steps that updated the weights
+  int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
+  int64_t tokens_seen = 0;
+  int64_t world_size = 1;       // ranks that trained up to here (any size may resume)
+  int64_t skipped_steps = 0;    // steps whose update was skipped by the agreed decision
+  nlohmann::json detector = nlohmann::json::object();  // SkipDetector::state(); {} = fresh
+};
+
+// What one rank saves of the optimizer: per parameter ("<param>.exp_avg", ".exp_avg_sq",
+// ".step", as AdamW::state() names them; rank 0 writes them), or as flat shards ("exp_avg",
+// "exp_avg_sq" over [offset, offset + length) of the flat parameter space and a 0-dim "step";
+// every rank writes its own).
+struct OptimizerPart {
+  OptimizerLayout layout = OptimizerLayout::kPerParameter;
+  std::vector<NamedTensor> tensors;
+  int64_t offset = 0, length = 0;
+};
+
+struct CheckpointOptions {
+  std::string folder;         // absolute or relative to the working directory
+  int64_t keep_latest_k = 0;  // 0 = keep all
+};
+
+class Checkpointer {
+ public:
+  explicit Checkpointer(CheckpointOptions options);
+
+  // Writes step-<state.step>/ atomically and prunes to keep_latest_k. `config` is the
+  // resolved job config (as JSON); its model section must match on load. Returns the folder.
+  // With `comm`, every rank calls it: each writes its part, and the folder appears only when
+  // every part is on disk. A failure on any rank (a full disk) removes the partial folder and
+  // throws on every rank, naming the rank; the earlier checkpoints stay as they were.
+  std::string save(const TrainState& state, const std::vector<NamedTensor>& model,
+                   const OptimizerPart& optimizer, const nlohmann::json& config,
+                   Comm* comm) const;
+  // One rank, per-parameter optimizer state.
+  std::string save(const TrainState& state, const std::vector<NamedTensor>& model,
+                   const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const {
+    return save(state, model, OptimizerPart{OptimizerLayout::kPerParameter, optimizer},
+                config, nullptr);
+  }
+
+  // Complete checkpoints, ascending by step.
+  std::vector<int64_t> steps() const;
+  // The step checkpoint.load_step asks for: -1 = the latest (0 when there is none), 0 = start
+  // fresh, N = step N (InputError listing the available steps when it is missing).
+  int64_t step_to_load(int64_t load_step) const;
+
+  // Loads step `step` into the model's tensors (names, shapes and dtypes must match) and the
+  // CPU RNG, and hands the optimizer's moments to `load_optimizer` (any layout, any world
+  // size). Throws InputError naming the file and the mismatch or corruption.
+  TrainState load(int64_t step, const std::vector<NamedTensor>& model,
+                  const nlohmann::json& config,
+                  const std::function<void(MomentReader&)>& load_optimizer) const;
+  // One rank, per-parameter optimizer state.
+  TrainState load(int64_t step, const std::vector<NamedTensor>& model,
+                  const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const {
+    return load(step, model, config,
+                [&](MomentReader& m) { read_per_parameter(m, model, optimizer); });
+  }
+
+  std::string dir_of(int64_t step) const;
+
+ private:
+  // The phases of a collective save (see save()).
+  void write_parts(const std::string& tmp, const std::vector<NamedTensor>& model,
+                   const OptimizerPart& optimizer, int rank,
+                   std::map<std::string, uint32_t>& model_crc,
+                   std::map<std::string, uint32_t>& optim_crc) const;
+  void publish(const std::string& tmp, const std::string& final_dir,
+               const nlohmann::json& meta) const;
+
+  CheckpointOptions opt_;
+};
+
+}  // namespace lockstep

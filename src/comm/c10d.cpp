@@ -1,0 +1,105 @@
+// The Comm over a LibTorch c10d process group, one class for every c10d backend (Gloo, NCCL):
+// tensors that do not live where the library wants them are staged there and copied back when
+// the work completes; every wait has the collective timeout and names the operation.
+#include <fmt/core.h>
+
+#include <utility>
+
+#include "comm/c10d.h"
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+class C10dComm final : public Comm {
+ public:
+  explicit C10dComm(C10dGroup g) : g_(std::move(g)) {}
+
+  int rank() const override { return g_.rank; }
+  int size() const override { return g_.size; }
+  std::string backend() const override { return g_.name; }
+
+  std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
+    at::Tensor s = staged(t);
+    std::vector<at::Tensor> v = {s};
+    return finish(g_.pg->allreduce(v), "all_reduce", {{s, t}});
+  }
+  void broadcast(at::Tensor& t, int root) override {
+    at::Tensor s = staged(t);
+    std::vector<at::Tensor> v = {s};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    finish(g_.pg->broadcast(v, o), "broadcast", {{s, t}})->wait();
+  }
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                             const std::vector<at::Tensor>& out) override {
+    check_count(out.size(), "all_gather");
+    std::vector<at::Tensor> souts;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+    for (const auto& t : out) {
+      souts.push_back(staged(t));
+      copies.emplace_back(souts.back(), t);
+    }
+    std::vector<std::vector<at::Tensor>> o = {souts};
+    std::vector<at::Tensor> i = {staged(in)};
+    return finish(g_.pg->allgather(o, i), "all_gather", std::move(copies));
+  }
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                     at::Tensor& out) override {
+    check_count(in.size(), "reduce_scatter");
+    std::vector<at::Tensor> blocks;
+    for (const auto& t : in) blocks.push_back(staged(t));
+    at::Tensor sout = staged(out);
+    std::vector<at::Tensor> o = {sout};
+    std::vector<std::vector<at::Tensor>> i = {blocks};
+    return finish(g_.pg->reduce_scatter(o, i), "reduce_scatter", {{sout, out}});
+  }
+  void barrier() override { wait(g_.pg->barrier(g_.barrier), "barrier"); }
+
+ private:
+  bool at_home(const at::Tensor& t) const { return t.device().type() == g_.stage.type(); }
+  at::Tensor staged(const at::Tensor& t) const { return at_home(t) ? t : t.to(g_.stage); }
+  void check_count(size_t n, const char* op) const {
+    if (static_cast<int>(n) != g_.size)
+      throw std::invalid_argument(
+          fmt::format("{} {}: {} tensors for {} ranks", g_.name, op, n, g_.size));
+  }
+  // The work's completion: wait (under the timeout), then copy staged results to the originals.
+  std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op,
+                                   std::vector<std::pair<at::Tensor, at::Tensor>> copies) {
+    return std::make_unique<CommWork>([this, work, op, copies] {
+      wait(work, op);
+      for (const auto& [staged, t] : copies)
+        if (!at_home(t)) t.copy_(staged);
+    });
+  }
+  // A wait with a timeout blocks the host until the collective is done: a lost rank gives an
+  // error naming the operation instead of a hang.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
+    try {
+      work->wait(g_.timeout);
+    } catch (const std::exception& e) {
+      throw Error(ExitCode::kFailure,
+                  fmt::format("{} {} failed on rank {} of {} (timeout {} s; did a rank die or "
+                              "stall?): {}",
+                              g_.name, op, g_.rank, g_.size, g_.timeout.count() / 1000.0,
+                              first_line(e.what())));
+    }
+  }
+
+  C10dGroup g_;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> comm_over(C10dGroup group) {
+  return std::make_unique<C10dComm>(std::move(group));
+}
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3));
+}
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+}  // namespace lockstep

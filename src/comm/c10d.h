@@ -1,0 +1,38 @@
+// Between the c10d backends: gloo.cpp makes the store (TCPStore or FileStore) and hands it
+// to the process group of its backend; c10d.cpp turns any c10d process group (Gloo, NCCL)
+// into a Comm. Included only by files that include c10d.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "comm/comm.h"
+
+namespace lockstep {
+
+// A c10d process group and what the Comm over it needs to know.
+struct C10dGroup {
+  c10::intrusive_ptr<c10d::Backend> pg;
+  std::string name;           // "gloo" | "nccl": names the backend in errors
+  c10::Device stage;          // where the library wants tensors; others are staged through it
+  c10d::BarrierOptions barrier;
+  std::chrono::milliseconds timeout;  // each collective (comm.train_timeout_seconds)
+  int rank, size;
+};
+
+// The Comm over a c10d process group (c10d.cpp).
+std::unique_ptr<Comm> comm_over(C10dGroup group);
+
+// nccl.cpp; throws ConfigError in builds without CUDA.
+std::unique_ptr<Comm> make_nccl_comm(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
+                                     const CommOptions& options);
+
+std::chrono::milliseconds to_ms(double seconds);
+// c10d errors carry a backtrace after the first line; the message is the first line.
+std::string first_line(const std::string& s);
+
+}  // namespace lockstep

@@ -1,0 +1,127 @@
+// Collectives behind one small interface, one implementation per backend (c10d's Backend.hpp
+// style). The implementations own the only includes of their libraries: gloo.cpp holds
+// LibTorch c10d's ProcessGroupGloo and the stores, nccl.cpp ProcessGroupNCCL (CUDA builds),
+// mpi.cpp OpenMPI; c10d.cpp is the Comm over any c10d process group. factory.cpp picks one.
+//
+// Tensors may live on the CPU or on the GPU with any backend: each stages what its library
+// cannot take (NCCL moves device memory only; the CPU backends get host copies of GPU tensors).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "lockstep/config.h"
+#include "ranks.h"
+
+namespace lockstep {
+
+struct CommOptions {
+  Backend backend = Backend::kGloo;    // kGloo | kNccl (make_c10d_comm); kMpi: make_mpi_comm
+  int cuda_device = 0;                 // nccl: this rank's GPU
+  double init_timeout_seconds = 300;   // rendezvous ([comm] init_timeout_seconds)
+  double train_timeout_seconds = 100;  // each collective ([comm] train_timeout_seconds)
+  // Where rank 0's TCPStore listens ([comm] store_listen_address): "auto" = the address
+  // MASTER_ADDR resolves to, so one node listens on loopback only.
+  std::string store_listen_address = "auto";
+};
+
+// A collective in flight. wait() completes it: the results are in place (copied back from any
+// staging buffer), or it throws as the blocking forms do. Wait for every work you start; the
+// tensors must stay alive and untouched until then.
+class CommWork {
+ public:
+  explicit CommWork(std::function<void()> finish) : finish_(std::move(finish)) {}
+  void wait() {
+    if (!finish_) return;
+    auto f = std::move(finish_);
+    finish_ = nullptr;
+    f();
+  }
+
+ private:
+  std::function<void()> finish_;
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;
+  // Asynchronous collectives: started at once, completed by wait(). Started in the same order
+  // on every rank. A collective that does not finish within train_timeout_seconds makes wait()
+  // throw an Error that names it (a lost rank never hangs the others).
+  virtual std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) = 0;  // in place
+  // out[r] (one per rank, each like `in`) receives rank r's `in`.
+  virtual std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                                     const std::vector<at::Tensor>& out) = 0;
+  // in[r] (one per rank, each like `out`): rank r's `out` receives the sum over all ranks of
+  // their in[r] (the gradient sync of the sharded mode).
+  virtual std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                             at::Tensor& out) = 0;
+  // Blocking collectives.
+  virtual void broadcast(at::Tensor& t, int root) = 0;  // in place
+  virtual void barrier() = 0;
+
+  // Blocking forms of the asynchronous ones.
+  void all_reduce_sum(at::Tensor& t) { all_reduce_sum_async(t)->wait(); }
+  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) {
+    all_gather_async(in, out)->wait();
+  }
+  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) {
+    reduce_scatter_sum_async(in, out)->wait();
+  }
+  // The same on flat buffers: out is size() x in; in holds size() blocks of out.numel().
+  void all_gather(const at::Tensor& in, at::Tensor& out) {
+    std::vector<at::Tensor> outs;
+    for (int r = 0; r < size(); ++r) outs.push_back(out.select(0, r));
+    all_gather(in, outs);
+  }
+  void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) {
+    const int64_t n = out.numel();
+    if (in.dim() != 1 || in.numel() != n * size())
+      throw std::invalid_argument("reduce_scatter: in must be flat with size() x out elements");
+    std::vector<at::Tensor> blocks;
+    for (int r = 0; r < size(); ++r) blocks.push_back(in.narrow(0, r * n, n));
+    reduce_scatter_sum(blocks, out);
+  }
+};
+
+// Every rank's `mine` (equally long on all ranks), in rank order: one all-gather of doubles
+// (exact for integers below 2^53). A null comm is one rank alone.
+std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine);
+
+// NCCL is built in (LOCKSTEP_CUDA builds).
+bool nccl_available();
+// MPI is built in (LOCKSTEP_MPI builds).
+bool mpi_available();
+
+// ---- choosing and connecting (factory.cpp): the one place that picks a backend -------------
+// The backend a job on `device` uses: kAuto is NCCL between GPUs (when built in), Gloo between
+// CPUs. Throws ConfigError naming parallelism.backend when the choice cannot work here (NCCL on
+// the CPU or in a build without CUDA, MPI in a build without MPI).
+Backend resolve_backend(Backend requested, c10::Device device);
+// This rank's communicator for the job: resolve_backend, then the rendezvous.
+std::unique_ptr<Comm> connect(const RankInfo& ranks, Backend requested, c10::Device device,
+                              const CommConfig& config);
+
+// ---- the backends -------------------------------------------------------------------------
+// Gloo or NCCL (options.backend) with a rendezvous through a c10d TCPStore at
+// ranks.master_addr:master_port (rank 0 serves it, or the torchrun agent does), under
+// ranks.store_prefix().
+std::unique_ptr<Comm> make_c10d_comm(const RankInfo& ranks, const CommOptions& options);
+
+// MPI collectives over MPI_COMM_WORLD (OpenMPI; builds with LOCKSTEP_MPI only). Initialises MPI
+// if needed; throws ConfigError when MPI's rank and size disagree with `ranks`.
+std::unique_ptr<Comm> make_mpi_comm(const RankInfo& ranks, const CommOptions& options);
+
+// The same over a c10d FileStore at `path` (tests: N ranks as N threads in one process).
+std::unique_ptr<Comm> make_comm_file_store(const std::string& path, int rank, int size,
+                                           const CommOptions& options);
+
+}  // namespace lockstep

@@ -1,0 +1,182 @@
+// MPI collectives (OpenMPI) behind the Comm interface. With mpi_info.cpp, the only file that
+// includes mpi.h. Collectives are the non-blocking MPI calls completed under a deadline, so a
+// lost rank gives an error naming the operation instead of a hang (MPI itself has no timeout).
+#include <fmt/core.h>
+#include <ATen/ops/empty.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <thread>
+
+#include "comm/comm.h"
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+MPI_Datatype mpi_type(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kLong: return MPI_INT64_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kByte: return MPI_UINT8_T;
+    default:
+      throw std::invalid_argument(fmt::format("mpi {}: dtype {} is not supported (float, double, "
+                                              "int64, int32, uint8)",
+                                              op, c10::toString(t.scalar_type())));
+  }
+}
+
+class MpiComm final : public Comm {
+ public:
+  MpiComm(const RankInfo& ranks, const CommOptions& o)
+      : timeout_(o.train_timeout_seconds) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) {
+      int provided = 0;
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+      owns_mpi_ = true;
+    }
+    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    if (rank_ != ranks.rank || size_ != ranks.world_size)
+      throw ConfigError(fmt::format(
+          "parallelism.backend = \"mpi\": MPI says rank {} of {} but the environment says rank {} "
+          "of {}; launch with mpirun -np N (not torchrun or srun without PMIx) or use backend "
+          "\"gloo\"",
+          rank_, size_, ranks.rank, ranks.world_size));
+  }
+  ~MpiComm() override {
+    MPI_Comm_free(&comm_);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (owns_mpi_ && !finalized) MPI_Finalize();
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "mpi"; }
+
+  std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
+    at::Tensor h = host(t, "all_reduce");
+    MPI_Request req;
+    MPI_Iallreduce(MPI_IN_PLACE, h.data_ptr(), static_cast<int>(h.numel()),
+                   mpi_type(h, "all_reduce"), MPI_SUM, comm_, &req);
+    return std::make_unique<CommWork>([this, req, h, t]() mutable {
+      wait(req, "all_reduce");
+      back(h, t);
+    });
+  }
+  void broadcast(at::Tensor& t, int root) override {
+    at::Tensor h = host(t, "broadcast");
+    MPI_Request req;
+    MPI_Ibcast(h.data_ptr(), static_cast<int>(h.numel()), mpi_type(h, "broadcast"), root, comm_,
+               &req);
+    wait(req, "broadcast");
+    back(h, t);
+  }
+  // MPI wants one contiguous buffer for the ranks' blocks: the list is staged through one
+  // unless its tensors already lie back to back.
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
+                                             const std::vector<at::Tensor>& out) override {
+    at::Tensor hin = host(in, "all_gather");
+    at::Tensor hout = contiguous_run(out) ? out[0].as_strided({hin.numel() * size_}, {1})
+                                          : at::empty({size_, hin.numel()}, hin.options());
+    hout = host(hout, "all_gather");
+    MPI_Request req;
+    const MPI_Datatype ty = mpi_type(hin, "all_gather");
+    MPI_Iallgather(hin.data_ptr(), static_cast<int>(hin.numel()), ty, hout.data_ptr(),
+                   static_cast<int>(hin.numel()), ty, comm_, &req);
+    return std::make_unique<CommWork>([this, req, hin, hout, out]() mutable {
+      wait(req, "all_gather");
+      const at::Tensor flat = hout.view({size_, hin.numel()});
+      for (int r = 0; r < size_; ++r)
+        if (out[r].data_ptr() != flat.select(0, r).data_ptr() || !out[r].is_cpu())
+          out[r].view({-1}).copy_(flat.select(0, r));
+    });
+  }
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+                                                     at::Tensor& out) override {
+    if (static_cast<int>(in.size()) != size_)
+      throw std::invalid_argument("mpi reduce_scatter: one input block per rank");
+    const int64_t n = out.numel();
+    at::Tensor hin;
+    if (contiguous_run(in)) {
+      hin = in[0].as_strided({n * size_}, {1});
+    } else {
+      hin = at::empty({size_, n}, out.options().device(at::kCPU));
+      for (int r = 0; r < size_; ++r) hin.select(0, r).copy_(in[r].view({-1}));
+    }
+    hin = host(hin, "reduce_scatter");
+    at::Tensor hout = host(out, "reduce_scatter");
+    MPI_Request req;
+    MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(n),
+                              mpi_type(hout, "reduce_scatter"), MPI_SUM, comm_, &req);
+    return std::make_unique<CommWork>([this, req, hin, hout, out]() mutable {
+      wait(req, "reduce_scatter");
+      back(hout, out);
+    });
+  }
+  void barrier() override {
+    MPI_Request req;
+    MPI_Ibarrier(comm_, &req);
+    wait(req, "barrier");
+  }
+
+ private:
+  // The host tensor MPI works on: `t` itself, or a host copy of a GPU tensor (CUDA-aware MPI
+  // is not assumed); `back` copies the result into a GPU original.
+  static at::Tensor host(const at::Tensor& t, const char* op) {
+    if (!t.is_contiguous() || t.numel() > INT32_MAX)
+      throw std::invalid_argument(fmt::format(
+          "mpi {}: expects a contiguous tensor of at most 2^31-1 elements", op));
+    return t.is_cpu() ? t : t.cpu();
+  }
+  static void back(const at::Tensor& staged, const at::Tensor& t) {
+    if (!t.is_cpu()) t.copy_(staged);
+  }
+  // The tensors are contiguous and follow each other in one storage without gaps.
+  static bool contiguous_run(const std::vector<at::Tensor>& ts) {
+    for (size_t i = 0; i < ts.size(); ++i) {
+      if (!ts[i].is_contiguous() || !ts[i].is_cpu()) return false;
+      if (i > 0 && static_cast<const char*>(ts[i].data_ptr()) !=
+                       static_cast<const char*>(ts[i - 1].data_ptr()) + ts[i - 1].nbytes())
+        return false;
+    }
+    return !ts.empty();
+  }
+  // Completes `req` or throws naming `op` once train_timeout_seconds have passed. Spins first
+  // (small collectives finish in microseconds), then polls gently so a waiting rank does not
+  // take the core from a busy one.
+  void wait(MPI_Request& req, const char* op) {
+    using Clock = std::chrono::steady_clock;
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_);
+    for (int i = 0;; ++i) {
+      int done = 0;
+      MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+      if (done) return;
+      if (i > 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if ((i & 63) == 0 && Clock::now() > deadline)
+        throw Error(ExitCode::kFailure,
+                    fmt::format("mpi {} did not finish on rank {} of {} within "
+                                "comm.train_timeout_seconds = {} s; did a rank die or stall?",
+                                op, rank_, size_, timeout_));
+    }
+  }
+
+  double timeout_;
+  bool owns_mpi_ = false;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_mpi_comm(const RankInfo& ranks, const CommOptions& options) {
+  return std::make_unique<MpiComm>(ranks, options);
+}
+
+}  // namespace lockstep

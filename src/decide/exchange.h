@@ -1,0 +1,31 @@
+// The numbers the decision is made from, and how every rank comes to hold all of them: one
+// all-gather of each rank's 64-byte RankStats per step (every rank then reduces the table in
+// rank order, so all reach the same verdict by construction), and on anomalous steps only a
+// second one of the sample ids and per-sample losses, for the diagnostics.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "check/gradcheck.h"
+#include "comm/comm.h"
+#include "lockstep/decision.h"
+
+namespace lockstep {
+
+// This rank's contribution: its checks [A] (zeros when off) and [B], its loss and samples.
+RankStats rank_stats(const GradCheckStats& local, const GradCheckStats& shard, double loss,
+                     const std::vector<double>& sample_losses, bool stop_requested);
+
+// Every rank's stats, in rank order (a null comm is one rank alone).
+std::vector<RankStats> exchange_stats(const RankStats& mine, Comm* comm);
+
+// Per rank: the sample ids of its batch and their losses.
+struct SampleTable {
+  std::vector<std::vector<int64_t>> ids;
+  std::vector<std::vector<double>> losses;
+};
+SampleTable exchange_samples(const std::vector<int64_t>& ids, const std::vector<double>& losses,
+                             Comm* comm);
+
+}  // namespace lockstep

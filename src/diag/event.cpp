@@ -1,0 +1,176 @@
+#include "diag/event.h"
+
+#include <fmt/core.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+#include "lockstep/error.h"
+
+namespace lockstep {
+namespace {
+
+using json = nlohmann::json;
+
+json to_json(const Event::RankRow& r) {
+  json j = {{"rank", r.rank}};
+  if (r.has_stats) {
+    j["loss"] = json_number(r.loss);
+    j["local_grad_norm"] = json_number(r.local_grad_norm);
+    j["local_nonfinite"] = r.local_nonfinite;
+    j["shard_nonfinite"] = r.shard_nonfinite;
+    j["bad_samples"] = r.bad_samples;
+  }
+  if (!r.params_crc32.empty()) j["params_crc32"] = r.params_crc32;
+  if (!r.optimizer_crc32.empty()) j["optimizer_crc32"] = r.optimizer_crc32;
+  return j;
+}
+
+Event::RankRow row_from_json(const json& j) {
+  Event::RankRow r;
+  r.rank = j.at("rank").get<int>();
+  r.has_stats = j.contains("loss");
+  if (r.has_stats) {
+    r.loss = number_from_json(j.at("loss"));
+    r.local_grad_norm = number_from_json(j.at("local_grad_norm"));
+    r.local_nonfinite = j.at("local_nonfinite").get<int64_t>();
+    r.shard_nonfinite = j.at("shard_nonfinite").get<int64_t>();
+    r.bad_samples = j.at("bad_samples").get<int64_t>();
+  }
+  r.params_crc32 = j.value("params_crc32", "");
+  r.optimizer_crc32 = j.value("optimizer_crc32", "");
+  return r;
+}
+
+json to_json(const Event::Local& l) {
+  json params = json::array();
+  for (const auto& p : l.top_params)
+    params.push_back({{"name", p.name},
+                      {"nonfinite", p.nonfinite},
+                      {"norm", json_number(p.norm)},
+                      {"finite_norm", json_number(p.finite_norm)}});
+  json losses = json::array();
+  for (double v : l.sample_losses) losses.push_back(json_number(v));
+  return {{"loss", json_number(l.loss)},           {"grad_norm", json_number(l.grad_norm)},
+          {"finite_norm", json_number(l.finite_norm)}, {"nonfinite", l.nonfinite},
+          {"fault", l.fault},                       {"sample_ids", l.sample_ids},
+          {"sample_losses", losses},                {"top_params_scope", l.top_params_scope},
+          {"top_params", params}};
+}
+
+Event::Local local_from_json(const json& j) {
+  Event::Local l;
+  l.loss = number_from_json(j.at("loss"));
+  l.grad_norm = number_from_json(j.at("grad_norm"));
+  l.finite_norm = number_from_json(j.at("finite_norm"));
+  l.nonfinite = j.at("nonfinite").get<int64_t>();
+  l.fault = j.at("fault").get<std::string>();
+  l.sample_ids = j.at("sample_ids").get<std::vector<int64_t>>();
+  for (const auto& v : j.at("sample_losses")) l.sample_losses.push_back(number_from_json(v));
+  l.top_params_scope = j.at("top_params_scope").get<std::string>();
+  for (const auto& p : j.at("top_params"))
+    l.top_params.push_back({p.at("name").get<std::string>(), p.at("nonfinite").get<int64_t>(),
+                            number_from_json(p.at("norm")),
+                            number_from_json(p.at("finite_norm"))});
+  return l;
+}
+
+}  // namespace
+
+json json_number(double v) {
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  return v;
+}
+
+double number_from_json(const json& j) {
+  if (j.is_number()) return j.get<double>();
+  const std::string s = j.get<std::string>();  // throws for anything else
+  if (s == "Infinity") return std::numeric_limits<double>::infinity();
+  if (s == "-Infinity") return -std::numeric_limits<double>::infinity();
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+json to_json(const Event& e) {
+  const auto& g = e.global;
+  const auto& w = e.window;
+  const auto& t = e.thresholds;
+  const auto& c = e.counters;
+  json ranks = json::array();
+  for (const auto& r : e.ranks) ranks.push_back(to_json(r));
+  return {{"step", e.step},
+          {"decision", e.decision},
+          {"reasons", e.reasons},
+          {"guard", e.guard},
+          {"global",
+           {{"grad_norm", json_number(g.grad_norm)}, {"nonfinite", static_cast<int64_t>(g.nonfinite)},
+            {"loss", json_number(g.loss)}, {"overflow_runs", static_cast<int64_t>(g.overflow_runs)},
+            {"grad_norm_z", json_number(g.grad_norm_z)}, {"loss_z", json_number(g.loss_z)}}},
+          {"window",
+           {{"history", w.history}, {"grad_norm_mean", json_number(w.grad_norm_mean)},
+            {"grad_norm_std", json_number(w.grad_norm_std)},
+            {"loss_mean", json_number(w.loss_mean)}, {"loss_std", json_number(w.loss_std)}}},
+          {"thresholds",
+           {{"max_grad_norm", t.max_grad_norm}, {"grad_norm_zscore", t.grad_norm_zscore},
+            {"loss_zscore", t.loss_zscore}, {"min_history", t.min_history}}},
+          {"rank", e.rank},
+          {"local", to_json(e.local)},
+          {"ranks", ranks},
+          {"culprit_ranks", e.culprit_ranks},
+          {"suspect_sample_ids", e.suspect_sample_ids},
+          {"lr", json_number(e.lr)},
+          {"counters",
+           {{"step", c.step}, {"optimizer_steps", c.optimizer_steps},
+            {"skipped_steps", c.skipped_steps}, {"consecutive_skips", c.consecutive_skips}}}};
+}
+
+Event event_from_json(const json& j) {
+  Event e;
+  e.step = j.at("step").get<int64_t>();
+  e.decision = j.at("decision").get<std::string>();
+  e.reasons = j.at("reasons").get<std::vector<std::string>>();
+  e.guard = j.at("guard").get<std::string>();
+  const json& g = j.at("global");
+  e.global = {number_from_json(g.at("grad_norm")), number_from_json(g.at("nonfinite")),
+              number_from_json(g.at("loss")),      number_from_json(g.at("overflow_runs")),
+              number_from_json(g.at("grad_norm_z")), number_from_json(g.at("loss_z"))};
+  const json& w = j.at("window");
+  e.window = {w.at("history").get<int64_t>(), number_from_json(w.at("grad_norm_mean")),
+              number_from_json(w.at("grad_norm_std")), number_from_json(w.at("loss_mean")),
+              number_from_json(w.at("loss_std"))};
+  const json& t = j.at("thresholds");
+  e.thresholds = {t.at("max_grad_norm").get<double>(), t.at("grad_norm_zscore").get<double>(),
+                  t.at("loss_zscore").get<double>(), t.at("min_history").get<int64_t>()};
+  e.rank = j.at("rank").get<int>();
+  e.local = local_from_json(j.at("local"));
+  for (const auto& r : j.at("ranks")) e.ranks.push_back(row_from_json(r));
+  e.culprit_ranks = j.at("culprit_ranks").get<std::vector<int>>();
+  e.suspect_sample_ids = j.at("suspect_sample_ids").get<std::vector<int64_t>>();
+  e.lr = number_from_json(j.at("lr"));
+  const json& c = j.at("counters");
+  e.counters = {c.at("step").get<int64_t>(), c.at("optimizer_steps").get<int64_t>(),
+                c.at("skipped_steps").get<int64_t>(), c.at("consecutive_skips").get<int64_t>()};
+  return e;
+}
+
+JsonlWriter::JsonlWriter(const std::string& path) {
+  if (path.empty()) return;
+  file_ = std::fopen(path.c_str(), "a");
+  if (!file_)
+    throw InputError(fmt::format("cannot open '{}' for appending: {}", path, std::strerror(errno)));
+}
+
+JsonlWriter::~JsonlWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void JsonlWriter::write(const json& record) {
+  if (!file_) return;
+  std::string line = record.dump();  // nlohmann writes a NaN double as null: use json_number
+  line += '\n';
+  std::fwrite(line.data(), 1, line.size(), file_);
+  std::fflush(file_);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,95 @@
+// The diagnostics event: what one rank records of a skipped or aborted step (and of a desync
+// found by diagnostics.verify_every). One type, one serialisation: the trainer writes it to
+// RUN_DIR/diagnostics/rank<R>.jsonl, `lockstep diag` reads it back with the same code, and
+// launch/report.py reads the same fields (the README documents them, under "Diagnostics").
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lockstep {
+
+struct Event {
+  static constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+  struct Global {  // the agreed numbers, the same on every rank
+    double grad_norm = kNaN, nonfinite = 0, loss = kNaN, overflow_runs = 0;
+    double grad_norm_z = kNaN, loss_z = kNaN;
+  };
+  struct Window {  // the detector's window before this step
+    int64_t history = 0;
+    double grad_norm_mean = kNaN, grad_norm_std = kNaN, loss_mean = kNaN, loss_std = kNaN;
+  };
+  struct Thresholds {
+    double max_grad_norm = 0, grad_norm_zscore = 0, loss_zscore = 0;
+    int64_t min_history = 0;
+  };
+  struct Param {  // one of the parameters named by this rank's check
+    std::string name;
+    int64_t nonfinite = 0;
+    double norm = kNaN, finite_norm = kNaN;
+  };
+  struct Local {  // this rank's own view
+    double loss = kNaN, grad_norm = kNaN, finite_norm = kNaN;
+    int64_t nonfinite = 0;
+    std::string fault;  // the injected fault, "" for none
+    std::vector<int64_t> sample_ids;
+    std::vector<double> sample_losses;
+    std::string top_params_scope;  // "local" (check [A]) or "shard" (check [B])
+    std::vector<Param> top_params;
+  };
+  struct RankRow {  // one row of the agreed per-rank table
+    int rank = 0;
+    bool has_stats = true;  // a desync row holds CRC32s only
+    double loss = kNaN, local_grad_norm = kNaN;
+    int64_t local_nonfinite = 0, shard_nonfinite = 0, bad_samples = 0;
+    std::string params_crc32, optimizer_crc32;  // desync events only
+  };
+  struct Counters {  // after this step
+    int64_t step = 0, optimizer_steps = 0, skipped_steps = 0, consecutive_skips = 0;
+  };
+
+  int64_t step = 0;
+  std::string decision;              // "skip" | "abort"
+  std::vector<std::string> reasons;  // see Verdict::reasons; "desync"
+  std::string guard;                 // what turned it into an abort
+  Global global;
+  Window window;
+  Thresholds thresholds;
+  int rank = 0;  // the rank that wrote it
+  Local local;
+  std::vector<RankRow> ranks;
+  std::vector<int> culprit_ranks;
+  std::vector<int64_t> suspect_sample_ids;
+  double lr = kNaN;
+  Counters counters;
+};
+
+nlohmann::json to_json(const Event& e);
+// Throws nlohmann::json::exception when a field is missing or of the wrong type.
+Event event_from_json(const nlohmann::json& j);
+
+// JSON has no NaN or Infinity: a nonfinite number is written as the string "NaN", "Infinity"
+// or "-Infinity"; finite numbers stay numbers. number_from_json reads both forms back.
+nlohmann::json json_number(double v);
+double number_from_json(const nlohmann::json& j);
+
+// Appends one JSON object per line to a file (JSON Lines); flushed per record.
+class JsonlWriter {
+ public:
+  // Appends to `path` (a resumed run continues the same file). Empty path: writes nothing.
+  explicit JsonlWriter(const std::string& path);
+  ~JsonlWriter();
+  JsonlWriter(const JsonlWriter&) = delete;
+  JsonlWriter& operator=(const JsonlWriter&) = delete;
+  void write(const nlohmann::json& record);
+
+ private:
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,63 @@
+// Explaining an anomalous step: the event each rank writes (its own view plus the agreed
+// table), the parameters and samples to blame, and the one-line messages of a skip and an
+// abort. Every rank runs this on the same steps (the verdict is the same everywhere).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "check/gradcheck.h"
+#include "checkpoint/checkpointer.h"
+#include "decide/detector.h"
+#include "decide/exchange.h"
+#include "diag/event.h"
+#include "diag/fault.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+// What this rank computed in one step: its loss and samples, its fault, its checks.
+struct RankStep {
+  double loss = 0;  // mean over this rank's tokens
+  std::vector<int64_t> sample_ids;
+  std::vector<double> sample_losses;
+  FaultKind fault = FaultKind::kNone;
+  bool local_checked = false;  // check [A] ran (diagnostics.local_check)
+  GradCheckStats local, shard;  // checks [A] (this rank's own gradient) and [B] (its shard)
+  double decision_seconds = 0;  // what the checks and the stats exchange cost
+};
+
+// The samples to blame: those of the culprit ranks whose loss is nonfinite, else all of the
+// culprit ranks' batches.
+std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& samples);
+
+// The parameters to name: most nonfinite elements first, then the largest norms, at most k.
+std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
+                                     const GradCheckStats& stats, int64_t k);
+
+class Explainer {
+ public:
+  // `grads` names the tensors of the checks' per-tensor stats.
+  Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
+            std::vector<NamedTensor> grads);
+
+  // The event of an anomalous step `step` (1-based). `before` holds the counters before it;
+  // `detector` has not recorded it yet.
+  Event event(int64_t step, const TrainState& before, const RankStep& mine, const Verdict& v,
+              const std::vector<RankStats>& table, const SampleTable& samples,
+              const SkipDetector& detector, double lr) const;
+
+ private:
+  SkipConfig thresholds_;
+  int64_t top_params_;
+  int rank_;
+  std::vector<NamedTensor> grads_;
+};
+
+// "step 120: SKIP (nonfinite_grad) | grad_norm nan, ... | culprit rank 1 | samples [...] | ..."
+std::string skip_message(const Event& e);
+// The abort's one line; `saved` says what was checkpointed.
+std::string abort_message(const Event& e, const std::string& saved, const std::string& run_dir);
+
+}  // namespace lockstep

@@ -1,0 +1,138 @@
+#include "diag/fault.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string_view>
+
+#include "lockstep/error.h"
+#include "text.h"
+
+namespace lockstep {
+namespace {
+
+// The kinds by name, in the order random faults draw from.
+constexpr FaultKind kKinds[] = {FaultKind::kNanGrad, FaultKind::kInfGrad, FaultKind::kNanLoss,
+                                FaultKind::kSpike,   FaultKind::kCrash,   FaultKind::kDesync};
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+FaultKind parse_kind(const std::string& text, const std::string& key) {
+  std::vector<std::string> names;
+  for (FaultKind k : kKinds) {
+    if (text == fault_name(k)) return k;
+    names.emplace_back(fault_name(k));
+  }
+  const std::string hint = nearest(text, names);
+  throw ConfigError(fmt::format(
+      "invalid value for '{}': unknown fault kind \"{}\"{}; expected nan_grad, inf_grad, "
+      "nan_loss, spike, crash or desync",
+      key, text, hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
+}
+
+}  // namespace
+
+const char* fault_name(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kNone: return "";
+    case FaultKind::kNanGrad: return "nan_grad";
+    case FaultKind::kInfGrad: return "inf_grad";
+    case FaultKind::kNanLoss: return "nan_loss";
+    case FaultKind::kSpike: return "spike";
+    case FaultKind::kCrash: return "crash";
+    case FaultKind::kDesync: return "desync";
+  }
+  return "?";
+}
+
+std::vector<FaultKind> parse_fault_kinds(const std::string& text, const std::string& key) {
+  std::vector<FaultKind> out;
+  for (const auto& k : split_list(text)) out.push_back(parse_kind(k, key));
+  return out;
+}
+
+std::vector<FaultInjection> parse_fault_inject(const std::string& text) {
+  std::vector<FaultInjection> out;
+  for (const auto& item : split_list(text)) {
+    const auto at = item.find('@'), colon = item.find(':', at == std::string::npos ? 0 : at);
+    FaultInjection f;
+    if (at == std::string::npos || at == 0 || colon == std::string::npos ||
+        !parse_int(std::string_view(item).substr(at + 1, colon - at - 1), f.step) ||
+        !parse_int(std::string_view(item).substr(colon + 1), f.rank) || f.step < 1 || f.rank < 0)
+      throw ConfigError(fmt::format(
+          "invalid value for 'fault.inject': \"{}\"; expected KIND@STEP:RANK with STEP >= 1 "
+          "and RANK >= 0, e.g. \"nan_grad@120:1\"",
+          item));
+    f.kind = parse_kind(item.substr(0, at), "fault.inject");
+    out.push_back(f);
+  }
+  return out;
+}
+
+std::vector<int64_t> parse_id_list(const std::string& text, const std::string& key) {
+  std::vector<int64_t> out;
+  for (const auto& item : split_list(text)) {
+    int64_t v;
+    if (!parse_int(item, v) || v < 0)
+      throw ConfigError(fmt::format(
+          "invalid value for '{}': \"{}\" is not a sample id; expected non-negative integers "
+          "separated by commas",
+          key, item));
+    out.push_back(v);
+  }
+  return out;
+}
+
+void validate_fault_config(const FaultConfig& c) {
+  parse_fault_inject(c.inject);
+  parse_fault_kinds(c.random_kinds, "fault.random_kinds");
+  parse_id_list(c.poison_ids, "fault.poison_ids");
+}
+
+FaultPlan::FaultPlan(const FaultConfig& c, int64_t world_size)
+    : inject_(parse_fault_inject(c.inject)),
+      random_p_(c.random_p),
+      spike_factor_(c.spike_factor),
+      seed_(static_cast<uint64_t>(c.random_seed)),
+      world_size_(world_size),
+      kinds_(parse_fault_kinds(c.random_kinds, "fault.random_kinds")) {
+  for (int64_t id : parse_id_list(c.poison_ids, "fault.poison_ids")) poison_.insert(id);
+  for (const auto& f : inject_)
+    if (f.rank >= world_size)
+      throw ConfigError(fmt::format(
+          "invalid value for 'fault.inject': \"{}@{}:{}\" names rank {} but the job has {} "
+          "rank(s); use a rank below {}",
+          fault_name(f.kind), f.step, f.rank, f.rank, world_size, world_size));
+  if (random_p_ > 0 && kinds_.empty())
+    throw ConfigError(
+        "invalid value for 'fault.random_kinds': \"\" while fault.random_p > 0; name at least "
+        "one of nan_grad, inf_grad, nan_loss, spike");
+}
+
+FaultKind FaultPlan::at(int64_t step, int64_t rank) const {
+  for (const auto& f : inject_)
+    if (f.step == step && f.rank == rank) return f.kind;
+  if (random_p_ <= 0) return FaultKind::kNone;
+  const uint64_t h = splitmix64(seed_ ^ splitmix64(static_cast<uint64_t>(step) * 1000003ULL +
+                                                   static_cast<uint64_t>(rank)));
+  const double u = static_cast<double>(h >> 11) * 0x1.0p-53;  // [0, 1)
+  if (u >= random_p_) return FaultKind::kNone;
+  return kinds_[splitmix64(h) % kinds_.size()];
+}
+
+std::string FaultPlan::schedule_jsonl(int64_t steps) const {
+  std::string out;
+  for (int64_t step = 1; step <= steps; ++step)
+    for (int64_t rank = 0; rank < world_size_; ++rank)
+      if (FaultKind kind = at(step, rank); kind != FaultKind::kNone)
+        out += fmt::format("{{\"step\": {}, \"rank\": {}, \"kind\": \"{}\"}}\n", step, rank,
+                           fault_name(kind));
+  return out;
+}
+
+}  // namespace lockstep

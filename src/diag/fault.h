@@ -1,0 +1,67 @@
+// Fault injection ([fault]): what bad thing to simulate, where and when. This file is the
+// plan: the kinds, the grammar of fault.inject / fault.poison_ids / fault.random_kinds, and the
+// deterministic (step, rank) -> kind lookup. It has no tensors (the config reader validates
+// with it); src/diag/injector.h applies a plan to a running step.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "lockstep/config.h"
+
+namespace lockstep {
+
+enum class FaultKind {
+  kNone,
+  kNanGrad,  // the loss back-propagated is multiplied by NaN (the logged loss stays finite)
+  kInfGrad,  // ... by +inf
+  kNanLoss,  // one sample's loss is NaN
+  kSpike,    // the loss (and so the gradient) is multiplied by fault.spike_factor
+  kCrash,    // the rank SIGKILLs itself (first attempt only: a machine failure)
+  kDesync,   // the rank's weights are perturbed after the update (a silent divergence)
+};
+const char* fault_name(FaultKind kind);  // "" for kNone, else "nan_grad", ...
+
+// One injection from fault.inject: `kind` at 1-based step `step` on rank `rank`.
+struct FaultInjection {
+  FaultKind kind = FaultKind::kNone;
+  int64_t step = 0;
+  int64_t rank = 0;
+};
+
+// The grammar. Each throws ConfigError naming `key` and the bad item, with a typo hint.
+std::vector<FaultInjection> parse_fault_inject(const std::string& text);  // "KIND@STEP:RANK, ..."
+std::vector<FaultKind> parse_fault_kinds(const std::string& text, const std::string& key);
+std::vector<int64_t> parse_id_list(const std::string& text, const std::string& key);
+
+// Checks every string of [fault] (the config reader calls it).
+void validate_fault_config(const FaultConfig& config);
+
+class FaultPlan {
+ public:
+  // Throws ConfigError when an injection names a rank outside the world.
+  FaultPlan(const FaultConfig& config, int64_t world_size);
+
+  // The fault at 1-based step `step` on `rank`: an explicit injection, else a random one with
+  // probability random_p (the same in every run and after every resume).
+  FaultKind at(int64_t step, int64_t rank) const;
+  bool poisoned(int64_t sample_id) const { return poison_.count(sample_id) != 0; }
+  bool has_poison() const { return !poison_.empty(); }
+  double spike_factor() const { return spike_factor_; }
+  bool empty() const { return inject_.empty() && poison_.empty() && random_p_ == 0; }
+
+  // One JSON object per (step, rank) with a fault, steps 1..steps: `lockstep config faults`.
+  std::string schedule_jsonl(int64_t steps) const;
+
+ private:
+  std::vector<FaultInjection> inject_;
+  std::unordered_set<int64_t> poison_;
+  double random_p_, spike_factor_;
+  uint64_t seed_;
+  int64_t world_size_;
+  std::vector<FaultKind> kinds_;
+};
+
+}  // namespace lockstep

@@ -1,0 +1,32 @@
+// diagnostics.verify_every: all ranks compare CRC32s of what they must hold identically (the
+// parameters, and ddp's replicated optimizer state); the ranks that differ from the majority
+// have diverged (nondeterminism, a memory error, a bug) and the job stops naming them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/comm.h"
+#include "diag/event.h"
+#include "diag/fault.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+struct ReplicaVote {
+  std::vector<int> diverged;  // ranks that differ from the majority (empty: all agree)
+  std::vector<std::pair<std::string, std::string>> crcs;  // per rank: params, optimizer ("%08x")
+};
+
+// One all-gather of two CRC32s per rank; ties go to the smaller CRC pair, the same everywhere.
+ReplicaVote vote_replicas(const std::vector<NamedTensor>& params,
+                          const std::vector<NamedTensor>& optimizer_state, Comm* comm);
+
+// The event and the one-line message of a desync found at step `step`; `last_verified` is the
+// last step all ranks agreed.
+Event desync_event(int64_t step, int rank, FaultKind fault, const ReplicaVote& vote);
+std::string desync_message(int64_t step, int64_t last_verified, const ReplicaVote& vote);
+
+}  // namespace lockstep

@@ -1,0 +1,146 @@
+#include "job.h"
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+
+#include "fsutil.h"
+#include "lockstep/error.h"
+#include "log.h"
+#include "diag/metrics.h"
+#include "runtime.h"
+
+namespace lockstep {
+namespace {
+
+// The run directory, this rank's log file; rank 0 prints info, the others warnings only.
+void start_logging(Job& j) {
+  fs::make_dirs(j.run_dir + "/logs");
+  log::init(j.ranks.rank, fmt::format("{}/logs/rank{}.log", j.run_dir, j.ranks.rank),
+            log::Level::kInfo, j.lead ? log::Level::kInfo : log::Level::kWarn);
+}
+
+void connect_ranks(Job& j) {
+  if (j.ranks.world_size == 1) return;
+  j.comm = connect(j.ranks, j.config.parallelism.backend, j.device, j.config.comm);
+  log::info("rank {} of {} ({}), {} collectives, rendezvous {}:{}", j.ranks.rank,
+            j.ranks.world_size, j.ranks.launcher, j.comm->backend(), j.ranks.master_addr,
+            j.ranks.master_port);
+}
+
+void open_data(Job& j) {
+  const DataConfig& d = j.config.data;
+  const TrainingConfig& t = j.config.training;
+  j.source = d.source == DataSource::kSynthetic
+                 ? make_synthetic_source(d.synthetic_tokens)
+                 : open_token_file(d.path, d.format, j.config.model.vocab_size);
+  j.sampler = std::make_unique<Sampler>(
+      *j.source, SamplerOptions{t.seq_len, t.local_batch_size, j.ranks.rank, j.ranks.world_size,
+                                static_cast<uint64_t>(t.seed)});
+  if (!d.exclude_ids_file.empty()) {
+    auto excluded = read_id_file(d.exclude_ids_file);
+    j.sampler->set_excluded(excluded, d.exclude_ids_file);
+    log::info("data: {} sample ids excluded by {}", excluded.size(), d.exclude_ids_file);
+  }
+}
+
+// The model, data parallelism over its parameters (with the optimizer), and the checks:
+// [B] reads the 1/W block of the synced gradient this rank owns, [A] this rank's own gradient.
+void build_model(Job& j) {
+  const Config& c = j.config;
+  j.model = std::make_unique<Gpt>(c.model, static_cast<uint64_t>(c.training.seed), j.device);
+  j.dp = make_data_parallel(
+      j.model->parameters(), j.comm.get(),
+      {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
+       adamw_options(c.optimizer)});
+  j.shard_check =
+      std::make_unique<GradCheck>(j.dp->grads(), j.dp->shard_offset(), j.dp->shard_length());
+  if (c.diagnostics.local_check) j.local_check = std::make_unique<GradCheck>(j.dp->grads());
+}
+
+void log_setup(const Job& j) {
+  const Config& c = j.config;
+  const TrainingConfig& t = c.training;
+  log::info("optimizer AdamW ({}), {}, {} steps, global batch {} x {} x {} ranks x {} tokens, "
+            "run dir {}",
+            j.dp->fused_optimizer() ? "fused" : "for-loop", j.dp->describe(), t.steps,
+            t.local_batch_size, t.gradient_accumulation_steps, j.ranks.world_size, t.seq_len,
+            j.run_dir);
+  if (c.skip.enabled)
+    log::info("skip: on (max_grad_norm {}, grad_norm_zscore {}, loss_zscore {}, window {}, "
+              "min_history {}; guards max_consecutive {}, max_fraction {} of {}); lr on skip: {}",
+              c.skip.max_grad_norm, c.skip.grad_norm_zscore, c.skip.loss_zscore, c.skip.window,
+              c.skip.min_history, c.skip.max_consecutive, c.skip.max_fraction,
+              c.skip.fraction_window, name_of(c.lr_scheduler.on_skip));
+  if (!j.faults->empty()) log::warn("fault injection is on ([fault]): this run is a test or demo");
+}
+
+}  // namespace
+
+std::unique_ptr<Job> build_job(const Config& config) {
+  auto job = std::make_unique<Job>(config);
+  Job& j = *job;
+  const Config& c = j.config;
+  j.ranks = discover_ranks();
+  j.lead = j.ranks.rank == 0;
+  j.run_dir = c.job.dump_folder;
+  start_logging(j);
+  j.device = resolve_device(c.training.device, j.ranks.local_rank);
+  connect_ranks(j);
+  if (j.lead) fs::write_file_atomic(j.run_dir + "/config.toml", to_toml(c));
+  set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
+  seed_global_rng(static_cast<uint64_t>(c.training.seed));
+  open_data(j);
+  j.faults = std::make_unique<FaultInjector>(c.fault, j.ranks.rank, j.ranks.world_size,
+                                             j.ranks.restart_count);
+  build_model(j);
+  j.detector = std::make_unique<SkipDetector>(c.skip);
+  j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
+                                            j.dp->grads());
+  j.schedule = schedule_of(c);
+  j.config_json = nlohmann::json::parse(to_json(c));
+  const std::string& folder = c.checkpoint.folder;
+  j.checkpointer = std::make_unique<Checkpointer>(CheckpointOptions{
+      folder.starts_with("/") ? folder : j.run_dir + "/" + folder, c.checkpoint.keep_latest_k});
+  j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
+                      c.training.gradient_accumulation_steps * j.ranks.world_size;
+  return job;
+}
+
+void resume(Job& j) {
+  const int64_t step =
+      j.config.checkpoint.enable ? j.checkpointer->step_to_load(j.config.checkpoint.load_step) : 0;
+  if (step > 0) {
+    j.state = j.checkpointer->load(step, j.model->parameters(), j.config_json,
+                                   [&](MomentReader& m) { j.dp->load_optimizer(m); });
+    j.sampler->set_position(j.state.data_position);
+    if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
+    log::info("resumed from {} (step {}, data position {})", j.checkpointer->dir_of(step),
+              j.state.step, j.state.data_position);
+  }
+  j.state.world_size = j.ranks.world_size;
+  log::info("lockstep: {} parameters, device {}, {} threads, data: {}",
+            j.model->num_parameters(), j.device.str(), at::get_num_threads(),
+            j.source->describe());
+  // Every rank starts from rank 0's weights (identical by construction: same seed, same
+  // checkpoint; the broadcast makes it so whatever happened).
+  j.dp->replicate_parameters();
+  log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB)", resident_mib(),
+            peak_resident_mib());
+  fs::make_dirs(j.run_dir + "/diagnostics");
+  j.events = std::make_unique<JsonlWriter>(
+      fmt::format("{}/diagnostics/rank{}.jsonl", j.run_dir, j.ranks.rank));
+  log_setup(j);
+}
+
+std::string save_checkpoint(Job& j) {
+  if (!j.config.checkpoint.enable) return "";
+  j.state.detector = j.detector->state();
+  const std::string dir =
+      j.checkpointer->save(j.state, j.model->parameters(),
+                           j.dp->optimizer_part(j.state.optimizer_steps), j.config_json,
+                           j.comm.get());
+  log::info("checkpoint saved: {}", dir);
+  return dir;
+}
+
+}  // namespace lockstep

@@ -1,0 +1,66 @@
+// A run, built once from the config: every component the training step calls, wired to its
+// own small config. train.cpp steps it; this file only builds, resumes and saves it.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "check/gradcheck.h"
+#include "checkpoint/checkpointer.h"
+#include "comm/comm.h"
+#include "decide/detector.h"
+#include "diag/event.h"
+#include "diag/explain.h"
+#include "diag/injector.h"
+#include "lockstep/config.h"
+#include "lockstep/data.h"
+#include "model/gpt.h"
+#include "optim/schedule.h"
+#include "parallel/data_parallel.h"
+#include "ranks.h"
+
+namespace lockstep {
+
+struct Job {
+  explicit Job(const Config& c) : config(c) {}
+
+  Config config;
+  RankInfo ranks;
+  bool lead = true;  // rank 0: writes config, metrics, checkpoints; prints progress
+  std::string run_dir;
+  c10::Device device{c10::kCPU};
+  std::unique_ptr<Comm> comm;  // null on one rank
+  std::unique_ptr<TokenSource> source;
+  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<FaultInjector> faults;
+  std::unique_ptr<Gpt> model;
+  std::unique_ptr<DataParallel> dp;          // gradient buffers, sync, optimizer, update
+  std::unique_ptr<GradCheck> local_check;    // [A] this rank's own gradient; null when off
+  std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
+  std::unique_ptr<SkipDetector> detector;    // the decision and its windows
+  std::unique_ptr<Explainer> explainer;      // events of anomalous steps
+  std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl
+  std::unique_ptr<Checkpointer> checkpointer;
+  LRScheduleOptions schedule;
+  nlohmann::json config_json;  // the resolved config, as checkpoints store it
+  TrainState state;            // counters; what a checkpoint restores
+  int64_t tokens_per_step = 0; // global
+};
+
+// Builds every component: ranks, logging, device, communicator, data, faults, model, data
+// parallelism (with its optimizer), checks, detector, checkpointer, writers.
+std::unique_ptr<Job> build_job(const Config& config);
+
+// Loads the checkpoint checkpoint.load_step names (none: a fresh start), then makes every rank
+// hold rank 0's weights and logs the run's shape.
+void resume(Job& job);
+
+// A collective checkpoint of the current state (every rank calls it). Returns its folder, or
+// "" with checkpoint.enable = false.
+std::string save_checkpoint(Job& job);
+
+}  // namespace lockstep

@@ -1,0 +1,84 @@
+// AdamW on ATen's fused kernel. The kernel's `found_inf` and `grad_scale` inputs carry the
+// skip decision and the clip coefficient, so neither needs a host sync or a second pass.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+#include "lockstep/config.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool fused = true;  // false: the for-loop implementation (same maths, one op at a time)
+};
+AdamWOptions adamw_options(const OptimizerConfig& config);
+
+// What one update does, as the agreed decision says.
+struct UpdateControl {
+  bool skip = false;  // nothing changes at all, step counts included (found_inf = 1)
+  double clip = 1.0;  // gradients are multiplied by this first (grad_scale = 1 / clip)
+};
+
+// One tensor the optimizer updates. The moments may be views into buffers the caller owns
+// (the sharded mode keeps them flat, one block per rank); `grad` undefined: param.grad().
+struct AdamWParam {
+  std::string name;
+  at::Tensor param, grad, exp_avg, exp_avg_sq;
+  bool decay = true;
+};
+
+// The parameters with zeroed moments; matrices and embeddings (dim >= 2) get weight decay,
+// norms and biases do not.
+std::vector<AdamWParam> with_zero_moments(const std::vector<NamedTensor>& params);
+
+class AdamW {
+ public:
+  // Matrices and embeddings (dim >= 2) get weight decay; norms and biases do not. Moments
+  // start at zero.
+  AdamW(const std::vector<NamedTensor>& params, AdamWOptions options);
+  // Over tensors whose gradients, moments and decay the caller chose.
+  static AdamW over(const std::vector<AdamWParam>& params, AdamWOptions options);
+
+  // One update at learning rate `lr`. `grad_scale` (0-dim float, optional): gradients are
+  // divided by it first (clipping passes 1 / clip_coef). `found_inf` (0-dim float, optional):
+  // when it is 1 nothing changes at all, step counts included.
+  void step(double lr, const at::Tensor& grad_scale = {}, const at::Tensor& found_inf = {});
+  // The same with found_inf and grad_scale made from `control` on the parameters' device.
+  void step(double lr, const UpdateControl& control);
+  void zero_grad();
+  // Sets every step count (a resumed sharded run reads one count for all).
+  void set_step_count(double steps);
+
+  // Moments and step counts, named "<param>.exp_avg", "<param>.exp_avg_sq", "<param>.step".
+  std::vector<NamedTensor> state() const;
+  // True when ATen's _fused_adamw_ is used.
+  bool fused() const { return fused_; }
+
+ private:
+  struct Group {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+    std::vector<std::string> names;
+    double weight_decay;
+  };
+  AdamW(AdamWOptions options) : opt_(options) {}
+  const at::Tensor& first_param() const;
+  void add(const std::vector<AdamWParam>& params);
+  void step_group(Group& g, double lr, const at::Tensor& grad_scale, const at::Tensor& found_inf);
+  void step_group_for_loop(Group& g, double lr, const at::Tensor& grad_scale);
+
+  AdamWOptions opt_;
+  bool fused_ = false;
+  std::vector<Group> groups_;
+};
+
+// The clip coefficient as torch's clip_grad_norm_ computes it: min(1, max_norm / (norm + 1e-6)).
+double clip_coefficient(double total_norm, double max_norm);
+
+}  // namespace lockstep

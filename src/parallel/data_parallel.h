@@ -1,0 +1,97 @@
+// Data parallelism: one interface, one implementation per mode (ddp.cpp, sharded.cpp), each
+// owning its gradient sync, the range its gradient check [B] reads, its optimizer, the update
+// (and gather), and what it saves in and reads from a checkpoint.
+//
+// Both lay the parameters out flat: model order, padded to W equal blocks; rank r owns block
+// r, the elements [r * block, (r + 1) * block) of the flat space. Every parameter's .grad is a
+// view into one flat gradient buffer.
+//  ddp      one all-reduce averages the whole buffer; parameters and optimizer state are
+//           replicated; each rank checks its 1/W block of the synced gradient.
+//  sharded  (ZeRO-2) the buffer is reduce-scattered: rank r receives the mean of block r only,
+//           and only rank r keeps fp32 master weights and AdamW moments for it. After the
+//           update the blocks are all-gathered into every rank's parameters, which are views
+//           into one flat parameter buffer. Optimizer memory is 1/W of ddp's.
+// Either way, after every step the parameters are bitwise identical on all ranks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpointer.h"
+#include "comm/comm.h"
+#include "lockstep/config.h"
+#include "optim/adamw.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+struct DataParallelOptions {
+  ParallelMode mode = ParallelMode::kDdp;
+  // Sharded: bytes moved per collective call (all ranks' blocks together), so the backends'
+  // staging buffers (Gloo flattens its list arguments) stay that small.
+  int64_t bucket_bytes = 16 << 20;
+  AdamWOptions adamw;
+};
+
+class DataParallel {
+ public:
+  virtual ~DataParallel() = default;
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // E.g. "ddp data parallel" or "sharded data parallel (this rank owns N of M parameters)".
+  virtual std::string describe() const = 0;
+  virtual bool fused_optimizer() const = 0;
+
+  // Every rank starts from rank 0's weights (a broadcast); then the mode's own copies follow
+  // the parameters. Call it after building and after loading a checkpoint.
+  virtual void replicate_parameters();
+
+  // After backward: the average over ranks of the part of the gradient this rank checks and
+  // updates (ddp: all of it; sharded: its block; the rest is stale).
+  virtual void sync_gradients() = 0;
+
+  // The update at learning rate `lr` under `control` (a skip changes nothing anywhere).
+  virtual void apply(double lr, const UpdateControl& control) = 0;
+  void zero_grad() { flat_grad_.zero_(); }
+
+  // Checkpoints: this rank's part of the optimizer, and reading any checkpoint's moments.
+  virtual OptimizerPart optimizer_part(int64_t optimizer_steps) = 0;
+  virtual void load_optimizer(MomentReader& moments) = 0;
+  // The optimizer state every rank holds a replica of (ddp: all; sharded: none).
+  virtual std::vector<NamedTensor> replicated_optimizer_state() const = 0;
+
+  // This rank's block within the unpadded flat space: its gradient check [B] reads it.
+  int64_t shard_offset() const { return shard_offset_; }
+  int64_t shard_length() const { return shard_length_; }
+  int64_t total() const { return total_; }
+  // The gradients, views into the flat buffer, in model order and named like the parameters.
+  const std::vector<NamedTensor>& grads() const { return grads_; }
+
+ protected:
+  // Lays out the flat gradient buffer (W x block, padded) and points every .grad into it.
+  DataParallel(const std::vector<NamedTensor>& params, Comm* comm);
+
+  Comm* comm_;  // null: one rank
+  int world_ = 1, rank_ = 0;
+  int64_t total_ = 0, block_ = 0;
+  int64_t shard_offset_ = 0, shard_length_ = 0;
+  at::Tensor flat_grad_;  // W x block (padded)
+  std::vector<NamedTensor> params_, grads_;
+};
+
+// The implementation of `options.mode`. `comm` may be null (one rank).
+std::unique_ptr<DataParallel> make_data_parallel(const std::vector<NamedTensor>& params,
+                                                 Comm* comm, const DataParallelOptions& options);
+
+// The two modes (ddp.cpp, sharded.cpp); make_data_parallel picks one.
+std::unique_ptr<DataParallel> make_ddp(const std::vector<NamedTensor>& params, Comm* comm,
+                                       const DataParallelOptions& options);
+std::unique_ptr<DataParallel> make_sharded(const std::vector<NamedTensor>& params, Comm* comm,
+                                           const DataParallelOptions& options);
+
+}  // namespace lockstep

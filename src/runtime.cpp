@@ -1,0 +1,71 @@
+#include "runtime.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+#include "lockstep/error.h"
+
+namespace lockstep {
+
+c10::Device resolve_device(DeviceKind kind, int local_rank) {
+  if (kind == DeviceKind::kCpu) return c10::Device(c10::kCPU);
+  const bool cuda = at::hasCUDA();
+  if (kind == DeviceKind::kCuda && !cuda)
+    throw ConfigError(
+        "invalid value for 'training.device': \"cuda\" but no CUDA device is usable (CPU-only "
+        "LibTorch or no GPU); use training.device = \"cpu\" or \"auto\"");
+  if (!cuda) return c10::Device(c10::kCPU);
+  // One GPU per local rank (ranks beyond the GPU count share them round-robin).
+  const auto gpus = static_cast<int>(at::getNumGPUs());
+  const c10::Device d(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % std::max(1, gpus)));
+  c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(d);  // kernels launch on it
+  return d;
+}
+
+int set_intra_op_threads(int64_t threads, int local_world_size) {
+  const int n = threads > 0 ? static_cast<int>(threads)
+                            : static_cast<int>(std::thread::hardware_concurrency()) /
+                                  std::max(1, local_world_size);
+  at::set_num_threads(std::max(1, n));
+  return at::get_num_threads();
+}
+
+void seed_global_rng(uint64_t seed) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+}  // namespace
+
+StopSignals::StopSignals() {
+  g_stop_signal.store(0);
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sa.sa_flags = SA_RESTART | SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, &old_term_);
+  ::sigaction(SIGINT, &sa, &old_int_);
+}
+
+StopSignals::~StopSignals() {
+  ::sigaction(SIGTERM, &old_term_, nullptr);
+  ::sigaction(SIGINT, &old_int_, nullptr);
+}
+
+int StopSignals::received() { return g_stop_signal.load(); }
+
+}  // namespace lockstep

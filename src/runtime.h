@@ -1,0 +1,41 @@
+// The process a rank runs in: its device, its CPU threads, its global RNG, and the stop
+// signals (SIGTERM / SIGINT ask for a clean stop that all ranks agree on at the next step).
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <csignal>
+
+#include "lockstep/config.h"
+
+namespace lockstep {
+
+// auto | cpu | cuda -> a device (cuda: the GPU of this local rank, round-robin when ranks
+// outnumber GPUs, made current). Throws ConfigError naming training.device when CUDA is asked
+// for but missing.
+c10::Device resolve_device(DeviceKind kind, int local_rank = 0);
+
+// Sets ATen's intra-op threads: `threads`, or with 0 this node's cores shared among its
+// `local_world_size` ranks. Returns the count set.
+int set_intra_op_threads(int64_t threads, int local_world_size);
+
+// Seeds the global CPU generator (dropout draws from it; a resume restores its state).
+void seed_global_rng(uint64_t seed);
+
+// While alive, SIGTERM and SIGINT set a flag instead of killing (a second one kills: the
+// handler resets itself). Restores the previous handlers when it dies.
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  // The signal received (SIGTERM or SIGINT), or 0.
+  static int received();
+
+ private:
+  struct sigaction old_term_ {}, old_int_ {};
+};
+
+}  // namespace lockstep
