@@ -61,6 +61,29 @@ cat "$out/version.txt"
   || status=1
 log "gpu tests: $(grep -E 'tests passed|tests failed' "$out/gpu_tests.log")"
 
+# --- sanitizers: the in-process gpu tests once under memcheck and once under racecheck ---------
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.*:NcclComm.*' \
+      >"$out/sanitizer_$tool.log" 2>&1 || status=1
+    log "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
+  done
+else
+  log "no compute-sanitizer on PATH: memcheck and racecheck skipped"
+fi
+
+# --- the check kernel's DRAM bandwidth, read by Nsight Compute ----------------------------------
+if command -v ncu >/dev/null; then
+  ncu --kernel-name regex:check --launch-count 3 \
+    --metrics dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
+    "$build/bin/lockstep" bench gradcheck --device cuda --sizes 1024 --dtypes fp32 bf16 \
+    --layouts few --min-seconds 0.05 >"$out/ncu_gradcheck.txt" 2>&1 || status=1
+  log "ncu: $(grep -E 'dram__throughput' "$out/ncu_gradcheck.txt" | head -2 | tr -s ' ' | tr '\n' ';')"
+else
+  log "no ncu on PATH: DRAM bandwidth not read"
+fi
+
 # --- benchmarks ------------------------------------------------------------------------------
 "$build/bin/lockstep" bench gradcheck --device cuda --sizes 1 16 256 1024 4096 \
   --min-seconds 0.3 >"$out/bench_gradcheck.txt" 2>&1 || status=1
