@@ -43,7 +43,7 @@ log "torch $(python3 -c 'import torch; print(torch.__version__)') at $torch_dir;
 # --- build ---------------------------------------------------------------------------------
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;$prefix_path" \
-    -DLOCKSTEP_CUDA=ON -DLOCKSTEP_MPI=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DLOCKSTEP_CUDA=ON -DLOCKSTEP_MPI=OFF -DTORCH_CUDA_ARCH_LIST=9.0 \
     -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" \
     -DCUDAToolkit_ROOT="$cuda_root" >"$out/configure.log" 2>&1; then
   log "configure FAILED (configure.log)"; tail -30 "$out/configure.log"; exit 1
@@ -96,5 +96,28 @@ cat "$out/bench_gradcheck.txt"
   --checkpoint.load_step 0 --training.steps 200 --metrics.log_freq 50 >"$out/train_gpu.log" 2>&1 \
   || status=1
 tail -3 "$out/train_gpu.log" | tee -a "$out/summary.txt"
+
+# --- a larger GPT in bf16 and in fp32 (TF32): tokens/s and model FLOPs utilisation ------------
+gpu_model=(--model.dim 1024 --model.n_layers 12 --model.n_heads 16 --model.max_seq_len 1024
+           --training.seq_len 1024 --training.local_batch_size 8 --checkpoint.enable false
+           --training.steps 60 --metrics.log_freq 20)
+for precision in bfloat16 float32; do
+  "$build/bin/lockstep" train --training.device cuda --training.mixed_precision_param "$precision" \
+    "${gpu_model[@]}" --job.dump_folder "$build/run-gpu-$precision" >"$out/train_gpu_$precision.log" 2>&1 \
+    || status=1
+  python3 - "$out/train_gpu_$precision.log" "$precision" <<'PY' | tee -a "$out/summary.txt"
+import re, sys
+text, precision = open(sys.argv[1]).read(), sys.argv[2]
+n = int(re.search(r"lockstep: (\d+) parameters", text).group(1))
+tok_s = float(re.findall(r"tok/s (\d+)", text)[-1])
+layers, seq, dim = 12, 1024, 1024
+flops_per_token = 6 * n + 12 * layers * seq * dim  # matmuls fwd + bwd, attention scores
+peak = 989e12  # H200 SXM, dense bf16 (TF32: half of it)
+if precision == "float32":
+    peak /= 2
+print(f"{precision} GPT ({n / 1e6:.0f} M parameters, seq {seq}, batch 8): {tok_s:.0f} tok/s, "
+      f"MFU {flops_per_token * tok_s / peak:.1%} of {peak / 1e12:.0f} TFLOP/s")
+PY
+done
 log "done, status $status"
 exit $status

@@ -127,7 +127,7 @@ def main():
 
     # Per-rank anomaly timeline
     colors = {"nonfinite_grad": "tab:red", "nonfinite_loss": "darkred", "grad_norm_above_max": "tab:orange",
-              "grad_norm_spike": "tab:olive", "loss_spike": "tab:cyan"}
+              "grad_norm_spike": "tab:olive", "loss_spike": "tab:cyan", "loss_scale_overflow": "tab:gray"}
     seen = set()
     for s, es in sorted(events.items()):
         e = next(iter(es.values()))

@@ -41,6 +41,8 @@ LOCKSTEP_CHOICES(DataSource, "synthetic", "file")
 LOCKSTEP_CHOICES(TokenFormat, "auto", "bytes", "uint16")
 LOCKSTEP_CHOICES(Backend, "auto", "gloo", "mpi", "nccl")
 LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded")
+LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
+LOCKSTEP_CHOICES(ReducePrecision, "float32", "bfloat16")
 #undef LOCKSTEP_CHOICES
 
 namespace {
@@ -193,6 +195,38 @@ void training_fields(std::vector<Field>& t) {
   t.push_back(int_field("training", "threads", &C::training, &T::threads, 0, 4096,
                         "intra-op CPU threads per rank; 0 = the cores shared among the ranks of "
                         "a node"));
+  t.push_back(bool_field("training", "allow_tf32", &C::training, &T::allow_tf32,
+                         "CUDA: TF32 tensor cores for fp32 matrix products and convolutions"));
+}
+
+void precision_fields(std::vector<Field>& t) {
+  using T = TrainingConfig;
+  t.push_back(choice_field("training", "mixed_precision_param", &C::training,
+                           &T::mixed_precision_param,
+                           "dtype of forward and backward (the model's weights as it computes, "
+                           "activations, gradients); the optimizer keeps fp32 master weights"));
+  t.push_back(choice_field("training", "mixed_precision_reduce", &C::training,
+                           &T::mixed_precision_reduce,
+                           "dtype of the gradient reduction and of the gradient check [B]"));
+  t.push_back(string_field("training", "loss_scale", &C::training, &T::loss_scale,
+                           "\"none\", \"dynamic\" (fp16: skip and back off on overflow, grow "
+                           "after growth_interval clean steps) or a fixed number"));
+  t.push_back(float_field("training", "loss_scale_init", &C::training, &T::loss_scale_init, 0,
+                          true, 1e38, "dynamic: the first loss scale"));
+  t.push_back(float_field("training", "loss_scale_growth_factor", &C::training,
+                          &T::loss_scale_growth_factor, 1, false, 1e6,
+                          "dynamic: the scale grows by this after growth_interval clean steps"));
+  t.push_back(float_field("training", "loss_scale_backoff_factor", &C::training,
+                          &T::loss_scale_backoff_factor, 0, true, 1,
+                          "dynamic: the scale is multiplied by this on an overflow"));
+  t.push_back(int_field("training", "loss_scale_growth_interval", &C::training,
+                        &T::loss_scale_growth_interval, 1, kMaxInt,
+                        "dynamic: clean steps between two growths"));
+  t.push_back(float_field("training", "loss_scale_min", &C::training, &T::loss_scale_min, 0, true,
+                          1e38, "guard: abort when the scale would fall below this"));
+  t.push_back(int_field("training", "loss_scale_max_overflows", &C::training,
+                        &T::loss_scale_max_overflows, 0, kMaxInt,
+                        "guard: abort after this many overflow skips in a row; 0 = off"));
 }
 
 void optimizer_fields(std::vector<Field>& t) {
@@ -319,7 +353,8 @@ void diagnostics_and_fault_fields(std::vector<Field>& t) {
   t.push_back(string_field("fault", "inject", &C::fault, &F::inject,
                            "faults at given steps: \"KIND@STEP:RANK, ...\", KIND one of "
                            "nan_grad, inf_grad, nan_loss, spike, crash (SIGKILL on the first "
-                           "attempt), desync (perturb this rank's weights) (tests and demos)"));
+                           "attempt), desync (perturb this rank's weights), overflow (x 2^24 "
+                           "before backward: fp16 gradients overflow) (tests and demos)"));
   t.push_back(float_field("fault", "spike_factor", &C::fault, &F::spike_factor, 0, true, kInf,
                           "a spike multiplies the loss and its gradient by this"));
   t.push_back(string_field("fault", "poison_ids", &C::fault, &F::poison_ids,
@@ -338,6 +373,7 @@ const std::vector<Field>& fields() {
     std::vector<Field> t;
     job_and_model_fields(t);
     training_fields(t);
+    precision_fields(t);
     optimizer_fields(t);
     checkpoint_and_data_fields(t);
     parallelism_fields(t);
@@ -530,6 +566,7 @@ Value from_text(const Field& f, const std::string& s, const std::string& where) 
 }
 
 void validate_cross(const Config& c) {
+  loss_scale_setting(c.training);
   if (c.model.dim % c.model.n_heads != 0)
     throw ConfigError(fmt::format(
         "invalid value for 'model.n_heads': {} does not divide model.dim = {}; choose n_heads "
@@ -601,6 +638,20 @@ Config load_config(std::string_view toml_text, const std::string& origin,
   }
   validate_cross(c);
   return c;
+}
+
+LossScaleSetting loss_scale_setting(const TrainingConfig& t) {
+  if (t.loss_scale == "none") return {LossScaleMode::kNone, 1.0};
+  if (t.loss_scale == "dynamic") return {LossScaleMode::kDynamic, t.loss_scale_init};
+  double v = 0;
+  const char* end = t.loss_scale.data() + t.loss_scale.size();
+  const auto r = std::from_chars(t.loss_scale.data(), end, v);
+  if (r.ec != std::errc() || r.ptr != end || !std::isfinite(v) || v <= 0)
+    throw ConfigError(fmt::format(
+        "invalid value for 'training.loss_scale': \"{}\"; expected \"none\", \"dynamic\" or a "
+        "positive number such as \"1024\"",
+        t.loss_scale));
+  return {LossScaleMode::kStatic, v};
 }
 
 Config default_config(const std::vector<Override>& overrides) {

@@ -51,9 +51,10 @@ void build_model(Job& j) {
   j.dp = make_data_parallel(
       j.model->parameters(), j.comm.get(),
       {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
-       adamw_options(c.optimizer)});
-  j.shard_check =
-      std::make_unique<GradCheck>(j.dp->grads(), j.dp->shard_offset(), j.dp->shard_length());
+       adamw_options(c.optimizer), dtype_of(c.training.mixed_precision_param),
+       dtype_of(c.training.mixed_precision_reduce)});
+  j.shard_check = std::make_unique<GradCheck>(j.dp->synced_grads(), j.dp->shard_offset(),
+                                              j.dp->shard_length());
   if (c.diagnostics.local_check) j.local_check = std::make_unique<GradCheck>(j.dp->grads());
 }
 
@@ -71,6 +72,14 @@ void log_setup(const Job& j) {
               c.skip.max_grad_norm, c.skip.grad_norm_zscore, c.skip.loss_zscore, c.skip.window,
               c.skip.min_history, c.skip.max_consecutive, c.skip.max_fraction,
               c.skip.fraction_window, name_of(c.lr_scheduler.on_skip));
+  if (t.mixed_precision_param != Precision::kFloat32 ||
+      t.mixed_precision_reduce != ReducePrecision::kFloat32)
+    log::info("mixed precision: {} forward and backward, {} gradient reduction, fp32 master "
+              "weights and moments; loss scale {}",
+              name_of(t.mixed_precision_param), name_of(t.mixed_precision_reduce), t.loss_scale);
+  if (t.mixed_precision_param == Precision::kFloat16 && !j.scaler->enabled())
+    log::warn("training.mixed_precision_param = \"float16\" with training.loss_scale = \"none\": "
+              "small gradients underflow to zero in fp16; set training.loss_scale = \"dynamic\"");
   if (!j.faults->empty()) log::warn("fault injection is on ([fault]): this run is a test or demo");
 }
 
@@ -88,12 +97,14 @@ std::unique_ptr<Job> build_job(const Config& config) {
   connect_ranks(j);
   if (j.lead) fs::write_file_atomic(j.run_dir + "/config.toml", to_toml(c));
   set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
+  if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   open_data(j);
   j.faults = std::make_unique<FaultInjector>(c.fault, j.ranks.rank, j.ranks.world_size,
                                              j.ranks.restart_count);
   build_model(j);
   j.detector = std::make_unique<SkipDetector>(c.skip);
+  j.scaler = std::make_unique<LossScaler>(c.training);
   j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
                                             j.dp->grads());
   j.schedule = schedule_of(c);
@@ -110,10 +121,11 @@ void resume(Job& j) {
   const int64_t step =
       j.config.checkpoint.enable ? j.checkpointer->step_to_load(j.config.checkpoint.load_step) : 0;
   if (step > 0) {
-    j.state = j.checkpointer->load(step, j.model->parameters(), j.config_json,
+    j.state = j.checkpointer->load(step, j.dp->weights_to_load(), j.config_json,
                                    [&](MomentReader& m) { j.dp->load_optimizer(m); });
     j.sampler->set_position(j.state.data_position);
     if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
+    j.scaler->load_state(j.state.loss_scale);
     log::info("resumed from {} (step {}, data position {})", j.checkpointer->dir_of(step),
               j.state.step, j.state.data_position);
   }
@@ -135,10 +147,10 @@ void resume(Job& j) {
 std::string save_checkpoint(Job& j) {
   if (!j.config.checkpoint.enable) return "";
   j.state.detector = j.detector->state();
+  j.state.loss_scale = j.scaler->state();
   const std::string dir =
-      j.checkpointer->save(j.state, j.model->parameters(),
-                           j.dp->optimizer_part(j.state.optimizer_steps), j.config_json,
-                           j.comm.get());
+      j.checkpointer->save(j.state, j.dp->weights(), j.dp->optimizer_part(j.state.optimizer_steps),
+                           j.config_json, j.comm.get());
   log::info("checkpoint saved: {}", dir);
   return dir;
 }

@@ -43,6 +43,24 @@ void seed_global_rng(uint64_t seed) {
   gen.set_current_seed(seed);
 }
 
+void allow_tf32(bool allow) {
+  at::globalContext().setAllowTF32CuBLAS(allow);
+  at::globalContext().setAllowTF32CuDNN(allow);
+}
+
+at::ScalarType dtype_of(Precision p) {
+  switch (p) {
+    case Precision::kFloat32: return at::kFloat;
+    case Precision::kBFloat16: return at::kBFloat16;
+    case Precision::kFloat16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+at::ScalarType dtype_of(ReducePrecision p) {
+  return p == ReducePrecision::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+
 namespace {
 
 std::atomic<int> g_stop_signal{0};

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <csignal>
 
@@ -21,6 +22,13 @@ int set_intra_op_threads(int64_t threads, int local_world_size);
 
 // Seeds the global CPU generator (dropout draws from it; a resume restores its state).
 void seed_global_rng(uint64_t seed);
+
+// TF32 tensor cores for fp32 matrix products and convolutions on CUDA (training.allow_tf32).
+void allow_tf32(bool allow);
+
+// The dtype a precision names.
+at::ScalarType dtype_of(Precision p);
+at::ScalarType dtype_of(ReducePrecision p);
 
 // While alive, SIGTERM and SIGINT set a flag instead of killing (a second one kills: the
 // handler resets itself). Restores the previous handlers when it dies.

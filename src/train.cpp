@@ -32,11 +32,13 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Forward and backward over the micro-batches; gradients accumulate in .grad. Faults act where
-// bad data would: on the per-sample losses and on the loss back-propagated.
+// Forward and backward over the micro-batches; gradients accumulate in .grad (times the loss
+// scale, fp16). Faults act where bad data would: on the per-sample losses and on the loss
+// back-propagated.
 void forward_backward(Job& job, RankStep& s) {
   const TrainingConfig& t = job.config.training;
   const auto accumulation = static_cast<double>(t.gradient_accumulation_steps);
+  const double scale = job.scaler->scale();
   double loss_sum = 0;
   for (int64_t micro = 0; micro < t.gradient_accumulation_steps; ++micro) {
     const std::vector<int64_t> ids = job.sampler->next_ids();
@@ -46,7 +48,8 @@ void forward_backward(Job& job, RankStep& s) {
     at::Tensor per_sample = Gpt::sample_losses(job.model->forward(x, /*train=*/true), y);  // (B)
     per_sample = job.faults->on_sample_losses(per_sample, ids, micro);
     at::Tensor loss = per_sample.mean();
-    job.faults->on_objective(loss.div(accumulation), micro).backward();
+    at::Tensor objective = job.faults->on_objective(loss.div(accumulation), micro);
+    (scale == 1.0 ? objective : objective.mul(scale)).backward();
     at::Tensor host = per_sample.detach().to(at::kDouble).cpu();
     s.sample_losses.insert(s.sample_losses.end(), host.data_ptr<double>(),
                            host.data_ptr<double>() + host.numel());
@@ -93,18 +96,21 @@ void explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<Ra
 }
 
 // The update and the counters. A skip reaches the fused AdamW as found_inf = 1: parameters,
-// moments and step counts stay bitwise as they were. Clipping reuses the agreed norm.
+// moments and step counts stay bitwise as they were. Clipping reuses the agreed norm, and the
+// loss scale is divided out in the same pass (grad_scale = scale / clip).
 double apply(Job& job, const Verdict& v, double lr) {
   const bool skip = v.decision == Decision::kSkip;
   const double clip = skip ? 1.0 : clip_coefficient(v.grad_norm, job.config.training.max_norm);
-  job.dp->apply(lr, {skip, clip});  // sharded: then every rank's updated block to all ranks
+  job.dp->apply(lr, {skip, clip, v.loss_scale});  // sharded: then all-gather the blocks
   job.dp->zero_grad();
   job.detector->record(v);
+  job.scaler->record(v.overflow, !skip);  // the same verdict everywhere: the same scale
   job.faults->after_update(job.model->parameters());
   TrainState& st = job.state;
   st.step += 1;
   st.optimizer_steps += skip ? 0 : 1;
-  st.skipped_steps += skip ? 1 : 0;
+  st.skipped_steps += skip && !v.overflow ? 1 : 0;
+  st.overflow_skips += v.overflow ? 1 : 0;
   st.data_position = job.sampler->position();
   st.tokens_seen += job.tokens_per_step;
   return clip;
@@ -122,7 +128,7 @@ StepResult step(Job& job, int64_t step, double lr) {
   forward_backward(job, s);
   const std::vector<RankStats> table = measure(job, s);
   const auto decided = Clock::now();
-  StepResult r{job.detector->decide(table)};
+  StepResult r{job.detector->decide(table, *job.scaler)};
   r.decision_seconds = s.decision_seconds + seconds_since(decided);
   const Verdict& v = r.verdict;
   if (v.overflow_runs > 0 && v.nonfinite == 0)
@@ -186,7 +192,7 @@ TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
   Progress progress(job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
-                    job.tokens_per_step, job.config.metrics.log_freq);
+                    job.tokens_per_step, job.config.metrics.log_freq, job.scaler->enabled());
   run(job, progress, result);
   const double total = progress.elapsed();
   const int64_t ran = job.state.step - result.start_step;

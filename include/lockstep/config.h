@@ -27,6 +27,8 @@ enum class DataSource { kSynthetic, kFile };
 enum class TokenFormat { kAuto, kBytes, kUint16 };  // auto: uint16 for .bin, else bytes
 enum class Backend { kAuto, kGloo, kMpi, kNccl };   // auto: nccl on GPUs, gloo on CPUs
 enum class ParallelMode { kDdp, kSharded };         // sharded = ZeRO-2
+enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16", "float16"
+enum class ReducePrecision { kFloat32, kBFloat16 };
 
 // The spelling of each value, in declaration order ("gpt", "auto", "cpu", ...).
 template <typename E>
@@ -41,6 +43,8 @@ template <> std::span<const std::string_view> choice_names<DataSource>();
 template <> std::span<const std::string_view> choice_names<TokenFormat>();
 template <> std::span<const std::string_view> choice_names<Backend>();
 template <> std::span<const std::string_view> choice_names<ParallelMode>();
+template <> std::span<const std::string_view> choice_names<Precision>();
+template <> std::span<const std::string_view> choice_names<ReducePrecision>();
 template <typename E>
 std::string_view name_of(E e) {
   return choice_names<E>()[static_cast<size_t>(e)];
@@ -74,6 +78,20 @@ struct TrainingConfig {
   int64_t gradient_accumulation_steps = 1;
   DeviceKind device = DeviceKind::kAuto;
   int64_t threads = 0;  // intra-op CPU threads, 0 = the node's cores shared among its ranks
+  // Mixed precision (torchtitan's names): the dtype of forward and backward (parameters as the
+  // model sees them, activations, gradients) and the dtype of the gradient reduction. The
+  // optimizer always keeps fp32 master weights and moments; checkpoints hold the fp32 weights.
+  Precision mixed_precision_param = Precision::kFloat32;
+  ReducePrecision mixed_precision_reduce = ReducePrecision::kFloat32;
+  // Loss scaling (fp16): "none", "dynamic", or a fixed positive number.
+  std::string loss_scale = "none";
+  double loss_scale_init = 65536;         // dynamic: the first scale (2^16)
+  double loss_scale_growth_factor = 2;    // dynamic: x this after growth_interval clean steps
+  double loss_scale_backoff_factor = 0.5; // dynamic: x this on an overflow
+  int64_t loss_scale_growth_interval = 2000;
+  double loss_scale_min = 1;              // guard: abort when the scale would fall below this
+  int64_t loss_scale_max_overflows = 20;  // guard: abort after this many overflows in a row; 0 = off
+  bool allow_tf32 = true;                 // TF32 tensor cores for fp32 matrix products (CUDA)
 };
 
 struct OptimizerConfig {
@@ -170,6 +188,15 @@ struct Config {
   DiagnosticsConfig diagnostics;
   FaultConfig fault;
 };
+
+// training.loss_scale, read: none, dynamic (from loss_scale_init), or a fixed positive number.
+enum class LossScaleMode { kNone, kDynamic, kStatic };
+struct LossScaleSetting {
+  LossScaleMode mode = LossScaleMode::kNone;
+  double value = 1;  // kStatic: the scale; kDynamic: loss_scale_init; kNone: 1
+};
+// Throws ConfigError naming training.loss_scale for anything else.
+LossScaleSetting loss_scale_setting(const TrainingConfig& training);
 
 // ---- reading and writing ----------------------------------------------------------------
 // One `--section.key value` pair from the command line.

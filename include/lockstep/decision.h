@@ -29,15 +29,17 @@ const char* decision_name(Decision d);  // "step", "skip", "abort"
 struct Verdict {
   Decision decision = Decision::kStep;
   std::vector<std::string> reasons;  // nonfinite_grad, nonfinite_loss, grad_norm_above_max,
-                                     // grad_norm_spike, loss_spike
+                                     // grad_norm_spike, loss_spike; loss_scale_overflow alone
   std::string guard;                 // set when a guard turned a skip into an abort
-  double grad_norm = 0;              // global, before clipping; NaN when nonfinite > 0
+  double grad_norm = 0;              // global, unscaled, before clipping; NaN when nonfinite > 0
   double nonfinite = 0;              // global nonfinite gradient elements
   double loss = 0;                   // global (mean over ranks)
   bool stop = false;                 // some rank asks to stop after this step (a signal)
   double overflow_runs = 0;
   double grad_norm_z = 0, loss_z = 0;  // NaN while the window is too short or the test is off
   std::vector<int> culprit_ranks;      // ranks whose own data caused it, as far as knowable
+  double loss_scale = 1;               // the scale this step's gradients carry (fp16)
+  bool overflow = false;               // loss_scale_overflow: an fp16 overflow, not bad data
   bool anomalous() const { return decision != Decision::kStep; }
 };
 

@@ -116,7 +116,9 @@ json build_meta(const TrainState& state, const OptimizerPart& optimizer, const j
                {"world_size", state.world_size},
                {"mode", mode_name(optimizer.layout)},
                {"skipped_steps", state.skipped_steps},
+               {"overflow_skips", state.overflow_skips},
                {"detector", state.detector},
+               {"loss_scale", state.loss_scale},
                {"rng", {{"cpu", cpu_rng_state()}}},
                {"config", config},
                {"checksums", checksums}};
@@ -313,7 +315,9 @@ TrainState Checkpointer::load(int64_t step, const std::vector<NamedTensor>& mode
   s.tokens_seen = meta.value("tokens_seen", int64_t{0});
   s.world_size = meta.value("world_size", int64_t{1});
   s.skipped_steps = meta.value("skipped_steps", int64_t{0});
+  s.overflow_skips = meta.value("overflow_skips", int64_t{0});
   s.detector = meta.value("detector", json::object());
+  s.loss_scale = meta.value("loss_scale", json::object());
   return s;
 }
 

@@ -32,7 +32,9 @@ struct TrainState {
   int64_t tokens_seen = 0;
   int64_t world_size = 1;       // ranks that trained up to here (any size may resume)
   int64_t skipped_steps = 0;    // steps whose update was skipped by the agreed decision
-  nlohmann::json detector = nlohmann::json::object();  // SkipDetector::state(); {} = fresh
+  int64_t overflow_skips = 0;   // steps skipped on an fp16 overflow (counted apart)
+  nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
+  nlohmann::json loss_scale = nlohmann::json::object();  // LossScaler::state(); {} = fresh
 };
 
 // What one rank saves of the optimizer: per parameter ("<param>.exp_avg", ".exp_avg_sq",

@@ -21,6 +21,8 @@ MPI_Datatype mpi_type(const at::Tensor& t, const char* op) {
     case at::kLong: return MPI_INT64_T;
     case at::kInt: return MPI_INT32_T;
     case at::kByte: return MPI_UINT8_T;
+    case at::kBFloat16:  // moved bit for bit; sums are staged through fp32 (summable)
+    case at::kHalf: return MPI_UINT16_T;
     default:
       throw std::invalid_argument(fmt::format("mpi {}: dtype {} is not supported (float, double, "
                                               "int64, int32, uint8)",
@@ -61,7 +63,7 @@ class MpiComm final : public Comm {
   std::string backend() const override { return "mpi"; }
 
   std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
-    at::Tensor h = host(t, "all_reduce");
+    at::Tensor h = summable(host(t, "all_reduce"));
     MPI_Request req;
     MPI_Iallreduce(MPI_IN_PLACE, h.data_ptr(), static_cast<int>(h.numel()),
                    mpi_type(h, "all_reduce"), MPI_SUM, comm_, &req);
@@ -110,8 +112,8 @@ class MpiComm final : public Comm {
       hin = at::empty({size_, n}, out.options().device(at::kCPU));
       for (int r = 0; r < size_; ++r) hin.select(0, r).copy_(in[r].view({-1}));
     }
-    hin = host(hin, "reduce_scatter");
-    at::Tensor hout = host(out, "reduce_scatter");
+    hin = summable(host(hin, "reduce_scatter"));
+    at::Tensor hout = summable(host(out, "reduce_scatter"));
     MPI_Request req;
     MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(n),
                               mpi_type(hout, "reduce_scatter"), MPI_SUM, comm_, &req);
@@ -135,8 +137,15 @@ class MpiComm final : public Comm {
           "mpi {}: expects a contiguous tensor of at most 2^31-1 elements", op));
     return t.is_cpu() ? t : t.cpu();
   }
+  // MPI has no sum of 16-bit floats: a bf16 or fp16 tensor is summed as an fp32 copy (twice the
+  // bytes on the wire, one rounding at the end).
+  static at::Tensor summable(const at::Tensor& h) {
+    const bool half = h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf;
+    return half ? h.to(at::kFloat) : h;
+  }
+  // Copies the result into the original when MPI worked on a staged copy.
   static void back(const at::Tensor& staged, const at::Tensor& t) {
-    if (!t.is_cpu()) t.copy_(staged);
+    if (!staged.is_same(t)) t.copy_(staged);
   }
   // The tensors are contiguous and follow each other in one storage without gaps.
   static bool contiguous_run(const std::vector<at::Tensor>& ts) {

@@ -112,8 +112,25 @@ double norm_of(double nonfinite, double sumsq) {
 }
 
 Verdict SkipDetector::decide(const std::vector<RankStats>& ranks) const {
+  static const LossScaler kOff{TrainingConfig{}};
+  return decide(ranks, kOff);
+}
+
+Verdict SkipDetector::decide(const std::vector<RankStats>& ranks,
+                             const LossScaler& scaler) const {
   bool loss_nonfinite = false;
   Verdict v = reduce_in_rank_order(ranks, loss_nonfinite);
+  v.loss_scale = scaler.scale();
+  if (v.loss_scale != 1.0) v.grad_norm /= v.loss_scale;  // the norm users read is unscaled
+  if (scaler.enabled() && v.nonfinite > 0 && !loss_nonfinite) {
+    // An fp16 overflow: the loss scale, not the data. Skip, back off (in record), blame no one.
+    v.overflow = true;
+    v.reasons.push_back("loss_scale_overflow");
+    v.guard = scaler.guard_on_overflow();
+    v.decision = v.guard.empty() ? Decision::kSkip : Decision::kAbort;
+    v.grad_norm_z = v.loss_z = kNaN;
+    return v;
+  }
   const bool zscores = history() >= cfg_.min_history;
   v.grad_norm_z = zscores && std::isfinite(v.grad_norm) ? grad_norms_.zscore(v.grad_norm) : kNaN;
   v.loss_z = zscores && std::isfinite(v.loss) ? losses_.zscore(v.loss) : kNaN;
@@ -158,7 +175,7 @@ std::string SkipDetector::guard_tripped() const {
 }
 
 void SkipDetector::record(const Verdict& v) {
-  if (v.decision == Decision::kAbort) return;
+  if (v.decision == Decision::kAbort || v.overflow) return;
   const bool skipped = v.decision == Decision::kSkip;
   if (skipped) {
     ++consecutive_;

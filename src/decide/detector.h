@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "decide/loss_scale.h"
 #include "lockstep/config.h"
 #include "lockstep/decision.h"
 
@@ -38,11 +39,15 @@ class SkipDetector {
  public:
   explicit SkipDetector(const SkipConfig& config);
 
-  // The decision for one step from every rank's stats, in rank order. Pure: the same inputs
-  // and state give the same verdict, bit for bit, on every rank.
-  Verdict decide(const std::vector<RankStats>& ranks) const;
+  // The decision for one step from every rank's stats, in rank order, the gradients carrying
+  // `scaler`'s loss scale. Pure: the same inputs and state give the same verdict, bit for bit,
+  // on every rank. With loss scaling on, a nonfinite gradient with every loss finite is an
+  // overflow: skipped with reason loss_scale_overflow whatever skip.enabled says, outside the
+  // skip guards (the scaler has its own), blaming no rank.
+  Verdict decide(const std::vector<RankStats>& ranks, const LossScaler& scaler) const;
+  Verdict decide(const std::vector<RankStats>& ranks) const;  // no loss scaling
   // Advances the state with a decided step (the outlier of a skip never enters the windows;
-  // an abort changes nothing).
+  // an abort and an overflow change nothing).
   void record(const Verdict& v);
 
   int64_t consecutive_skips() const { return consecutive_; }

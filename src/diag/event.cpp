@@ -106,7 +106,8 @@ json to_json(const Event& e) {
           {"global",
            {{"grad_norm", json_number(g.grad_norm)}, {"nonfinite", static_cast<int64_t>(g.nonfinite)},
             {"loss", json_number(g.loss)}, {"overflow_runs", static_cast<int64_t>(g.overflow_runs)},
-            {"grad_norm_z", json_number(g.grad_norm_z)}, {"loss_z", json_number(g.loss_z)}}},
+            {"grad_norm_z", json_number(g.grad_norm_z)}, {"loss_z", json_number(g.loss_z)},
+            {"loss_scale", json_number(g.loss_scale)}}},
           {"window",
            {{"history", w.history}, {"grad_norm_mean", json_number(w.grad_norm_mean)},
             {"grad_norm_std", json_number(w.grad_norm_std)},
@@ -122,7 +123,8 @@ json to_json(const Event& e) {
           {"lr", json_number(e.lr)},
           {"counters",
            {{"step", c.step}, {"optimizer_steps", c.optimizer_steps},
-            {"skipped_steps", c.skipped_steps}, {"consecutive_skips", c.consecutive_skips}}}};
+            {"skipped_steps", c.skipped_steps}, {"consecutive_skips", c.consecutive_skips},
+            {"overflow_skips", c.overflow_skips}}}};
 }
 
 Event event_from_json(const json& j) {
@@ -134,7 +136,8 @@ Event event_from_json(const json& j) {
   const json& g = j.at("global");
   e.global = {number_from_json(g.at("grad_norm")), number_from_json(g.at("nonfinite")),
               number_from_json(g.at("loss")),      number_from_json(g.at("overflow_runs")),
-              number_from_json(g.at("grad_norm_z")), number_from_json(g.at("loss_z"))};
+              number_from_json(g.at("grad_norm_z")), number_from_json(g.at("loss_z")),
+              number_from_json(g.value("loss_scale", json(1.0)))};
   const json& w = j.at("window");
   e.window = {w.at("history").get<int64_t>(), number_from_json(w.at("grad_norm_mean")),
               number_from_json(w.at("grad_norm_std")), number_from_json(w.at("loss_mean")),
@@ -150,7 +153,8 @@ Event event_from_json(const json& j) {
   e.lr = number_from_json(j.at("lr"));
   const json& c = j.at("counters");
   e.counters = {c.at("step").get<int64_t>(), c.at("optimizer_steps").get<int64_t>(),
-                c.at("skipped_steps").get<int64_t>(), c.at("consecutive_skips").get<int64_t>()};
+                c.at("skipped_steps").get<int64_t>(), c.at("consecutive_skips").get<int64_t>(),
+                c.value("overflow_skips", int64_t{0})};
   return e;
 }
 

@@ -19,6 +19,7 @@ struct Event {
   struct Global {  // the agreed numbers, the same on every rank
     double grad_norm = kNaN, nonfinite = 0, loss = kNaN, overflow_runs = 0;
     double grad_norm_z = kNaN, loss_z = kNaN;
+    double loss_scale = 1;  // the scale the step's gradients carried (fp16); norms are unscaled
   };
   struct Window {  // the detector's window before this step
     int64_t history = 0;
@@ -51,6 +52,7 @@ struct Event {
   };
   struct Counters {  // after this step
     int64_t step = 0, optimizer_steps = 0, skipped_steps = 0, consecutive_skips = 0;
+    int64_t overflow_skips = 0;
   };
 
   int64_t step = 0;

@@ -33,8 +33,9 @@ struct RankStep {
 std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& samples);
 
 // The parameters to name: most nonfinite elements first, then the largest norms, at most k.
+// `scale`: the loss scale the checked gradients carry (norms are reported unscaled).
 std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
-                                     const GradCheckStats& stats, int64_t k);
+                                     const GradCheckStats& stats, int64_t k, double scale = 1);
 
 class Explainer {
  public:

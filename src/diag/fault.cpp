@@ -13,7 +13,8 @@ namespace {
 
 // The kinds by name, in the order random faults draw from.
 constexpr FaultKind kKinds[] = {FaultKind::kNanGrad, FaultKind::kInfGrad, FaultKind::kNanLoss,
-                                FaultKind::kSpike,   FaultKind::kCrash,   FaultKind::kDesync};
+                                FaultKind::kSpike,   FaultKind::kCrash,   FaultKind::kDesync,
+                                FaultKind::kOverflow};
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -31,7 +32,7 @@ FaultKind parse_kind(const std::string& text, const std::string& key) {
   const std::string hint = nearest(text, names);
   throw ConfigError(fmt::format(
       "invalid value for '{}': unknown fault kind \"{}\"{}; expected nan_grad, inf_grad, "
-      "nan_loss, spike, crash or desync",
+      "nan_loss, spike, crash, desync or overflow",
       key, text, hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
 }
 
@@ -46,6 +47,7 @@ const char* fault_name(FaultKind kind) {
     case FaultKind::kSpike: return "spike";
     case FaultKind::kCrash: return "crash";
     case FaultKind::kDesync: return "desync";
+    case FaultKind::kOverflow: return "overflow";
   }
   return "?";
 }

@@ -21,6 +21,7 @@ enum class FaultKind {
   kSpike,    // the loss (and so the gradient) is multiplied by fault.spike_factor
   kCrash,    // the rank SIGKILLs itself (first attempt only: a machine failure)
   kDesync,   // the rank's weights are perturbed after the update (a silent divergence)
+  kOverflow, // the loss back-propagated is multiplied by 2^24: fp16 gradients overflow to inf
 };
 const char* fault_name(FaultKind kind);  // "" for kNone, else "nan_grad", ...
 

@@ -46,6 +46,7 @@ at::Tensor FaultInjector::on_objective(const at::Tensor& objective, int64_t micr
     return objective.mul(std::numeric_limits<double>::quiet_NaN());
   if (current_ == FaultKind::kInfGrad)
     return objective.mul(std::numeric_limits<double>::infinity());
+  if (current_ == FaultKind::kOverflow) return objective.mul(16777216.0);  // 2^24, finite
   return objective;
 }
 

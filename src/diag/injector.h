@@ -29,7 +29,7 @@ class FaultInjector {
   at::Tensor on_sample_losses(const at::Tensor& per_sample, const std::vector<int64_t>& ids,
                               int64_t micro) const;
   // The loss back-propagated (nan_grad, inf_grad: the gradient turns nonfinite while the
-  // logged loss stays finite).
+  // logged loss stays finite; overflow: x 2^24, which fp16 gradients cannot hold).
   at::Tensor on_objective(const at::Tensor& objective, int64_t micro) const;
   // After the update: desync perturbs this rank's weights (a silent divergence).
   void after_update(const std::vector<NamedTensor>& params) const;

@@ -40,11 +40,12 @@ std::string format_eta(double seconds) {
 }
 
 Progress::Progress(const std::string& metrics_path, int64_t total_steps, int64_t tokens_per_step,
-                   int64_t log_freq)
+                   int64_t log_freq, bool show_scale)
     : metrics_(metrics_path),
       total_steps_(total_steps),
       tokens_per_step_(tokens_per_step),
-      log_freq_(log_freq) {}
+      log_freq_(log_freq),
+      show_scale_(show_scale) {}
 
 double Progress::elapsed() const {
   return std::chrono::duration<double>(Clock::now() - start_).count();
@@ -61,10 +62,13 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
   const double ms_per_step = 1e3 * secs / steps;
   const double tok_s = steps * static_cast<double>(tokens_per_step_) / secs;
   const double eta = static_cast<double>(total_steps_ - state.step) * ms_per_step / 1e3;
-  log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | skipped {} | "
+  const std::string scale =
+      show_scale_ ? fmt::format(" | scale {:g} ({} overflows)", v.loss_scale, state.overflow_skips)
+                  : "";
+  log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | skipped {}{} | "
             "ms/step {:.1f} | tok/s {:.0f} | ETA {}",
-            state.step, total_steps_, v.loss, v.grad_norm, lr, state.skipped_steps, ms_per_step,
-            tok_s, format_eta(eta));
+            state.step, total_steps_, v.loss, v.grad_norm, lr, state.skipped_steps, scale,
+            ms_per_step, tok_s, format_eta(eta));
   metrics_.write({{"step", state.step},
                   {"loss", json_number(v.loss)},
                   {"grad_norm", json_number(v.grad_norm)},
@@ -77,6 +81,8 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                   {"tokens_seen", state.tokens_seen},
                   {"optimizer_steps", state.optimizer_steps},
                   {"skipped_steps", state.skipped_steps},
+                  {"overflow_skips", state.overflow_skips},
+                  {"loss_scale", v.loss_scale},
                   {"consecutive_skips", detector.consecutive_skips()},
                   {"skip_rate", static_cast<double>(state.skipped_steps) /
                                     static_cast<double>(state.step)},

@@ -23,8 +23,9 @@ std::string format_eta(double seconds);
 class Progress {
  public:
   // `metrics_path` "" writes no file (ranks other than 0). `tokens_per_step` is global.
+  // `show_scale`: the progress line shows the loss scale (fp16 loss scaling on).
   Progress(const std::string& metrics_path, int64_t total_steps, int64_t tokens_per_step,
-           int64_t log_freq);
+           int64_t log_freq, bool show_scale = false);
 
   // Counts the step `state` has just completed (`decision_seconds`: what its checks and stats
   // exchange cost, the gradient sync excluded); on a logged step, prints the progress line and
@@ -39,6 +40,7 @@ class Progress {
   using Clock = std::chrono::steady_clock;
   JsonlWriter metrics_;
   int64_t total_steps_, tokens_per_step_, log_freq_;
+  bool show_scale_;
   Clock::time_point start_ = Clock::now(), interval_start_ = start_;
   int64_t interval_steps_ = 0;
   double interval_decision_s_ = 0;

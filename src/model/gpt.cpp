@@ -9,13 +9,37 @@
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
+#include <limits>
 
 namespace lockstep {
+namespace {
+
+// Causal self-attention of q, k, v (B, nh, T, hd) -> (B, nh, T, hd). ATen's fused kernel,
+// except on the CPU in bf16 / fp16, where its flash kernel runs about 3x slower than in fp32
+// (torch 2.13, fwd + bwd, T = 128): there two 16-bit matmuls around a softmax taken in fp32 are
+// 3x faster (launch/bench_precision.sh shows the effect on a whole step).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double p_drop) {
+  if (!q.is_cpu() || q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble)
+    return at::scaled_dot_product_attention(q, k, v, {}, p_drop, /*is_causal=*/true);
+  const int64_t T = q.size(2);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+  at::Tensor future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);  // (T, T)
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);          // (B, nh, T, T)
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  if (p_drop > 0) probs = at::dropout(probs, p_drop, /*train=*/true);
+  return at::matmul(probs, v);
+}
+
+}  // namespace
 
 Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device) : cfg_(config) {
   const int64_t C = cfg_.dim, V = cfg_.vocab_size, L = cfg_.n_layers;
@@ -81,8 +105,7 @@ at::Tensor Gpt::forward(const at::Tensor& idx, bool train) const {
     auto h = at::layer_norm(x, {C}, b.ln1_w, b.ln1_b, cfg_.norm_eps);
     auto qkv = at::linear(h, b.qkv_w, b.qkv_b).split(C, -1);  // 3 x (B, T, C)
     auto heads = [&](const at::Tensor& t) { return t.view({B, T, nh, hd}).transpose(1, 2); };
-    auto y = at::scaled_dot_product_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), {},
-                                              p_drop, /*is_causal=*/true);  // (B, nh, T, hd)
+    auto y = causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), p_drop);  // (B, nh, T, hd)
     y = y.transpose(1, 2).reshape({B, T, C});
     x = x.add(drop(at::linear(y, b.proj_w, b.proj_b)));
     h = at::layer_norm(x, {C}, b.ln2_w, b.ln2_b, cfg_.norm_eps);
@@ -100,7 +123,9 @@ at::Tensor Gpt::loss(const at::Tensor& logits, const at::Tensor& targets) {
 
 at::Tensor Gpt::sample_losses(const at::Tensor& logits, const at::Tensor& targets) {
   const int64_t B = logits.size(0), V = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, V}), targets.reshape({-1}), {},
+  // In fp32 whatever the model computes in: a bf16 or fp16 softmax over the vocabulary loses the
+  // small probabilities (torchtitan casts its logits the same way).
+  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat), targets.reshape({-1}), {},
                                 at::Reduction::None)
       .view({B, -1})
       .mean(1);

@@ -23,7 +23,8 @@ class Gpt {
 
   // Mean cross-entropy of logits (B, T, V) against targets (B, T).
   static at::Tensor loss(const at::Tensor& logits, const at::Tensor& targets);
-  // (B) mean cross-entropy of each sequence; their mean is the batch loss.
+  // (B) mean cross-entropy of each sequence (fp32 whatever the logits' dtype); their mean is
+  // the batch loss.
   static at::Tensor sample_losses(const at::Tensor& logits, const at::Tensor& targets);
 
   // Every trainable tensor, in a fixed order, with its name ("blocks.0.attn.qkv.weight").

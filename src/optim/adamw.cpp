@@ -66,7 +66,7 @@ void AdamW::step(double lr, const UpdateControl& control) {
   at::Tensor grad_scale, found_inf;
   const auto options = first_param().options();
   if (control.skip) found_inf = at::ones({}, options);
-  if (control.clip < 1.0) grad_scale = at::empty({}, options).fill_(1.0 / control.clip);
+  if (control.grad_scale() != 1.0) grad_scale = at::empty({}, options).fill_(control.grad_scale());
   step(lr, grad_scale, found_inf);
 }
 

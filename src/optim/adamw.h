@@ -22,8 +22,11 @@ AdamWOptions adamw_options(const OptimizerConfig& config);
 
 // What one update does, as the agreed decision says.
 struct UpdateControl {
-  bool skip = false;  // nothing changes at all, step counts included (found_inf = 1)
-  double clip = 1.0;  // gradients are multiplied by this first (grad_scale = 1 / clip)
+  bool skip = false;         // nothing changes at all, step counts included (found_inf = 1)
+  double clip = 1.0;         // the unscaled gradients are multiplied by this
+  double loss_scale = 1.0;   // the gradients carry this factor (fp16): divided out
+  // What the fused kernel divides the gradients by: loss_scale / clip.
+  double grad_scale() const { return loss_scale / clip; }
 };
 
 // One tensor the optimizer updates. The moments may be views into buffers the caller owns

@@ -1,12 +1,14 @@
 #include "parallel/data_parallel.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 
 namespace lockstep {
 
-DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm)
-    : comm_(comm), params_(params) {
+DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
+                           const DataParallelOptions& o)
+    : comm_(comm), param_dtype_(o.param_dtype), reduce_dtype_(o.reduce_dtype), params_(params) {
   world_ = comm_ ? comm_->size() : 1;
   rank_ = comm_ ? comm_->rank() : 0;
   for (const auto& p : params) total_ += p.tensor.numel();
@@ -15,16 +17,53 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm)
   shard_length_ = std::min<int64_t>(block_, total_ - shard_offset_);
 
   const auto options = params.at(0).tensor.options().requires_grad(false);
-  flat_grad_ = at::zeros({world_ * block_}, options);
+  flat_grad_ = at::zeros({world_ * block_}, options.dtype(param_dtype_));
+  reduce_ = reduce_dtype_ == param_dtype_ ? flat_grad_
+                                          : at::zeros({world_ * block_}, options.dtype(reduce_dtype_));
+  grads_ = views_of(flat_grad_);
+  synced_ = views_of(reduce_);
+  // The .grad of a P-dtype parameter must be P too: parameters still in fp32 at this point get
+  // their view once move_parameters has cast them.
+  if (param_dtype_ == params.at(0).tensor.scalar_type()) {
+    c10::AutoGradMode no_grad(false);
+    for (size_t i = 0; i < params.size(); ++i) params[i].tensor.mutable_grad() = grads_[i].tensor;
+  }
+}
+
+std::vector<NamedTensor> DataParallel::views_of(const at::Tensor& flat) const {
+  std::vector<NamedTensor> out;
   int64_t off = 0;
-  c10::AutoGradMode no_grad(false);
-  for (const auto& p : params) {
+  for (const auto& p : params_) {
     const int64_t n = p.tensor.numel();
-    at::Tensor view = flat_grad_.narrow(0, off, n).view(p.tensor.sizes());
-    p.tensor.mutable_grad() = view;
-    grads_.push_back({p.name, view});
+    out.push_back({p.name, flat.narrow(0, off, n).view(p.tensor.sizes())});
     off += n;
   }
+  return out;
+}
+
+at::Tensor DataParallel::move_parameters(int64_t size, const at::Tensor& master, int64_t lo) {
+  const auto options = params_.at(0).tensor.options().requires_grad(false).dtype(param_dtype_);
+  at::Tensor flat = at::empty({size}, options);
+  flat.narrow(0, total_, size - total_).zero_();  // the padding
+  const int64_t hi = lo + (master.defined() ? master.numel() : 0);
+  c10::AutoGradMode no_grad(false);
+  int64_t off = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].tensor;
+    const int64_t n = p.numel();
+    const int64_t a = std::max(off, lo), b = std::min(off + n, hi);
+    if (a < b) master.narrow(0, a - lo, b - a).copy_(p.detach().view({-1}).narrow(0, a - off, b - a));
+    at::Tensor pv = flat.narrow(0, off, n).view(p.sizes());
+    pv.copy_(p.detach());
+    p.set_data(pv);  // the parameter now lives in the flat buffer
+    p.mutable_grad() = grads_[i].tensor;
+    off += n;
+  }
+  return flat;
+}
+
+void DataParallel::stage_for_reduction() {
+  if (!reduce_.is_same(flat_grad_)) reduce_.copy_(flat_grad_);
 }
 
 void DataParallel::replicate_parameters() {

@@ -5,6 +5,12 @@
 // Both lay the parameters out flat: model order, padded to W equal blocks; rank r owns block
 // r, the elements [r * block, (r + 1) * block) of the flat space. Every parameter's .grad is a
 // view into one flat gradient buffer.
+//
+// Mixed precision: the model computes in the parameter dtype P (training.mixed_precision_param:
+// its weights, activations and gradients), gradients are reduced and checked [B] in the reduce
+// dtype R (mixed_precision_reduce), and the optimizer updates fp32 master weights with fp32
+// moments from fp32 gradients; the P-dtype weights are copies of the masters, refreshed after
+// every update. With P = R = fp32 nothing is copied: the optimizer updates the parameters.
 //  ddp      one all-reduce averages the whole buffer; parameters and optimizer state are
 //           replicated; each rank checks its 1/W block of the synced gradient.
 //  sharded  (ZeRO-2) the buffer is reduce-scattered: rank r receives the mean of block r only,
@@ -35,6 +41,8 @@ struct DataParallelOptions {
   // staging buffers (Gloo flattens its list arguments) stay that small.
   int64_t bucket_bytes = 16 << 20;
   AdamWOptions adamw;
+  at::ScalarType param_dtype = at::kFloat;   // P: forward, backward, the gradient buffer
+  at::ScalarType reduce_dtype = at::kFloat;  // R: the reduction and check [B]
 };
 
 class DataParallel {
@@ -59,7 +67,12 @@ class DataParallel {
   virtual void apply(double lr, const UpdateControl& control) = 0;
   void zero_grad() { flat_grad_.zero_(); }
 
-  // Checkpoints: this rank's part of the optimizer, and reading any checkpoint's moments.
+  // Checkpoints hold the fp32 weights (the masters), named like the parameters. weights() is
+  // what a save writes (sharded mixed precision: all-gathered from the master blocks, so every
+  // rank calls it); weights_to_load() what a load fills, replicate_parameters() then spreads.
+  virtual std::vector<NamedTensor> weights() = 0;
+  virtual std::vector<NamedTensor> weights_to_load() = 0;
+  // This rank's part of the optimizer, and reading any checkpoint's moments.
   virtual OptimizerPart optimizer_part(int64_t optimizer_steps) = 0;
   virtual void load_optimizer(MomentReader& moments) = 0;
   // The optimizer state every rank holds a replica of (ddp: all; sharded: none).
@@ -69,19 +82,36 @@ class DataParallel {
   int64_t shard_offset() const { return shard_offset_; }
   int64_t shard_length() const { return shard_length_; }
   int64_t total() const { return total_; }
-  // The gradients, views into the flat buffer, in model order and named like the parameters.
+  // The gradients, views into the flat buffer, in model order and named like the parameters
+  // (dtype P; check [A] reads them before the sync).
   const std::vector<NamedTensor>& grads() const { return grads_; }
+  // The same positions of the buffer the reduction leaves its result in (dtype R; check [B]
+  // reads this rank's range of it after the sync). grads() itself when R = P.
+  const std::vector<NamedTensor>& synced_grads() const { return synced_; }
 
  protected:
-  // Lays out the flat gradient buffer (W x block, padded) and points every .grad into it.
-  DataParallel(const std::vector<NamedTensor>& params, Comm* comm);
+  // Lays out the flat gradient buffers (W x block, padded) and points every .grad into one.
+  DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
+               const DataParallelOptions& options);
+
+  // Named views of a flat buffer laid out like the parameters (model order).
+  std::vector<NamedTensor> views_of(const at::Tensor& flat) const;
+  // Moves the parameters into a new flat buffer of dtype P and `size` elements (values cast,
+  // padding zero), after copying the fp32 values of the flat range [lo, lo + master.numel())
+  // into `master` (exact: the masters start from the fp32 initialisation). Each old storage is
+  // released right after its copy, so this never holds a second full copy of the model.
+  at::Tensor move_parameters(int64_t size, const at::Tensor& master, int64_t lo);
+  // Casts the local gradients into the reduce buffer (when R differs from P).
+  void stage_for_reduction();
 
   Comm* comm_;  // null: one rank
   int world_ = 1, rank_ = 0;
   int64_t total_ = 0, block_ = 0;
   int64_t shard_offset_ = 0, shard_length_ = 0;
-  at::Tensor flat_grad_;  // W x block (padded)
-  std::vector<NamedTensor> params_, grads_;
+  at::ScalarType param_dtype_, reduce_dtype_;
+  at::Tensor flat_grad_;  // P, W x block (padded): every .grad is a view
+  at::Tensor reduce_;     // R, W x block: what the collective reduces; flat_grad_ when R = P
+  std::vector<NamedTensor> params_, grads_, synced_;
 };
 
 // The implementation of `options.mode`. `comm` may be null (one rank).

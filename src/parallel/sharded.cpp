@@ -34,10 +34,9 @@ class Pipeline {
 class Sharded final : public DataParallel {
  public:
   Sharded(const std::vector<NamedTensor>& params, Comm* comm, const DataParallelOptions& o)
-      : DataParallel(params, comm),
+      : DataParallel(params, comm, o),
         bucket_(std::max<int64_t>(1, o.bucket_bytes / 4 / world_)),
-        master_(move_parameters_into_flat_buffer()),
-        optimizer_(AdamW::over(block_params(), o.adamw)) {}
+        optimizer_(AdamW::over(build_block(), o.adamw)) {}
 
   std::string describe() const override {
     return fmt::format("sharded data parallel (this rank owns {} of {} parameters)",
@@ -46,25 +45,50 @@ class Sharded final : public DataParallel {
   bool fused_optimizer() const override { return optimizer_.fused(); }
 
   void replicate_parameters() override {
-    DataParallel::replicate_parameters();
-    master_.copy_(flat_param_.narrow(0, rank_ * block_, block_));  // the master follows
+    if (param_dtype_ == at::kFloat) {
+      DataParallel::replicate_parameters();
+      master_.copy_(flat_param_.narrow(0, rank_ * block_, block_));  // the master follows
+    } else if (staging_.defined()) {  // loaded: the masters come from the fp32 checkpoint
+      if (comm_) comm_->broadcast(staging_, 0);
+      master_.copy_(staging_.narrow(0, rank_ * block_, block_));
+      staging_ = at::Tensor();
+    }
     gather_parameters();
   }
 
   void sync_gradients() override {
-    if (world_ == 1) return;
-    in_buckets([&](int64_t from, int64_t n) {
-      at::Tensor out = grad_block_.narrow(0, from, n);
-      return comm_->reduce_scatter_sum_async(rank_blocks(flat_grad_, from, n), out);
-    });
-    flat_grad_.narrow(0, rank_ * block_, block_)
-        .copy_(grad_block_)
-        .div_(static_cast<double>(world_));
+    stage_for_reduction();
+    if (world_ > 1) {
+      in_buckets([&](int64_t from, int64_t n) {
+        at::Tensor out = grad_block_.narrow(0, from, n);
+        return comm_->reduce_scatter_sum_async(rank_blocks(reduce_, from, n), out);
+      });
+      reduce_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(world_));
+    }
+    if (opt_grad_block_.defined()) opt_grad_block_.copy_(reduce_.narrow(0, rank_ * block_, block_));
   }
 
   void apply(double lr, const UpdateControl& control) override {
     optimizer_.step(lr, control);
     if (!control.skip) gather_parameters();  // a skip changed no block: nothing to gather
+  }
+
+  // The fp32 weights: the parameters themselves when they are fp32 (the gathered masters, bit
+  // for bit); else every rank's master block, all-gathered.
+  std::vector<NamedTensor> weights() override {
+    if (param_dtype_ == at::kFloat) return params_;
+    at::Tensor full = at::empty({world_, block_}, master_.options());
+    if (comm_)
+      comm_->all_gather(master_, full);
+    else
+      full.select(0, 0).copy_(master_);
+    return views_of(full.view({-1}));
+  }
+  std::vector<NamedTensor> weights_to_load() override {
+    if (param_dtype_ == at::kFloat) return params_;
+    staging_ = at::empty({world_ * block_}, master_.options());
+    staging_.narrow(0, total_, world_ * block_ - total_).zero_();
+    return views_of(staging_);
   }
 
   OptimizerPart optimizer_part(int64_t optimizer_steps) override {
@@ -83,32 +107,21 @@ class Sharded final : public DataParallel {
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
 
  private:
-  // Moves the parameters into one flat buffer (their values kept) and returns this rank's
-  // master block. Pages are touched parameter by parameter and each old storage is released
-  // right after its copy, so this does not first build a second full copy of the model.
-  at::Tensor move_parameters_into_flat_buffer() {
-    const auto options = params_.at(0).tensor.options().requires_grad(false);
-    flat_param_ = at::empty({world_ * block_}, options);
-    flat_param_.narrow(0, total_, world_ * block_ - total_).zero_();  // the padding
-    c10::AutoGradMode no_grad(false);
-    int64_t off = 0;
-    for (const auto& p : params_) {
-      const int64_t n = p.tensor.numel();
-      at::Tensor pv = flat_param_.narrow(0, off, n).view(p.tensor.sizes());
-      pv.copy_(p.tensor.detach());
-      p.tensor.set_data(pv);  // the parameter now lives in the flat buffer
-      off += n;
-    }
-    grad_block_ = at::empty({block_}, options);
-    exp_avg_ = at::zeros({shard_length_}, options);
-    exp_avg_sq_ = at::zeros({shard_length_}, options);
-    // The master block, in the parameters' dtype: fp32, as the model trains in fp32.
-    return flat_param_.narrow(0, rank_ * block_, block_).clone();
-  }
-
-  // The optimizer's tensors: the pieces of the master block, one per parameter it intersects,
-  // named like it, with its decay; gradients and moments are views of flat blocks.
-  std::vector<AdamWParam> block_params() {
+  // This rank's block: the parameters move into one flat P-dtype buffer, the fp32 master block
+  // takes their fp32 values, and the optimizer gets the pieces of the master block, one per
+  // parameter it intersects (named like it, with its decay), gradients and moments as views
+  // of flat blocks (fp32 gradients: the reduce buffer's block, or a block of their own).
+  std::vector<AdamWParam> build_block() {
+    const auto fp32 = params_.at(0).tensor.options().requires_grad(false).dtype(at::kFloat);
+    master_ = at::zeros({block_}, fp32);
+    flat_param_ = move_parameters(world_ * block_, master_, rank_ * block_);
+    if (param_dtype_ != at::kFloat) param_block_ = at::empty({block_}, flat_param_.options());
+    grad_block_ = at::empty({block_}, reduce_.options());
+    if (reduce_dtype_ != at::kFloat) opt_grad_block_ = at::zeros({block_}, fp32);
+    const at::Tensor grads = opt_grad_block_.defined() ? opt_grad_block_
+                                                       : reduce_.narrow(0, rank_ * block_, block_);
+    exp_avg_ = at::zeros({shard_length_}, fp32);
+    exp_avg_sq_ = at::zeros({shard_length_}, fp32);
     std::vector<AdamWParam> out;
     int64_t off = 0;
     for (const auto& p : params_) {
@@ -118,7 +131,7 @@ class Sharded final : public DataParallel {
       if (lo < hi) {
         const int64_t at_block = lo - rank_ * block_;
         out.push_back({p.name, master_.narrow(0, at_block, hi - lo),
-                       flat_grad_.narrow(0, lo, hi - lo), exp_avg_.narrow(0, at_block, hi - lo),
+                       grads.narrow(0, at_block, hi - lo), exp_avg_.narrow(0, at_block, hi - lo),
                        exp_avg_sq_.narrow(0, at_block, hi - lo), p.tensor.dim() >= 2});
       }
       off += n;
@@ -126,15 +139,16 @@ class Sharded final : public DataParallel {
     return out;
   }
 
-  // This rank's master block -> every rank's parameters: one all-gather, in buckets.
+  // This rank's master block -> every rank's parameters: one all-gather, in buckets, of the
+  // block in the parameters' dtype.
   void gather_parameters() {
     if (world_ == 1) {
       flat_param_.copy_(master_);
       return;
     }
+    const at::Tensor source = param_block_.defined() ? param_block_.copy_(master_) : master_;
     in_buckets([&](int64_t from, int64_t n) {
-      return comm_->all_gather_async(master_.narrow(0, from, n),
-                                     rank_blocks(flat_param_, from, n));
+      return comm_->all_gather_async(source.narrow(0, from, n), rank_blocks(flat_param_, from, n));
     });
   }
 
@@ -155,9 +169,13 @@ class Sharded final : public DataParallel {
   }
 
   int64_t bucket_;  // elements per rank per call
-  at::Tensor flat_param_, grad_block_, exp_avg_, exp_avg_sq_;
+  at::Tensor flat_param_;      // P: every rank's parameters
+  at::Tensor master_;          // fp32: this rank's block of the weights, what AdamW updates
+  at::Tensor param_block_;     // P != fp32: the master block cast for the all-gather
+  at::Tensor grad_block_;      // R: the reduce-scatter's result, before the division
+  at::Tensor opt_grad_block_;  // R != fp32: this rank's synced block in fp32
+  at::Tensor exp_avg_, exp_avg_sq_, staging_;
   at::Tensor shard_steps_ = at::zeros({}, at::kFloat);
-  at::Tensor master_;
   AdamW optimizer_;
 };
 
