@@ -155,7 +155,10 @@ std::vector<Worker> start(const Options& o, int attempt) {
 // the rest; finally SIGKILLs every worker's group, so nothing a worker started outlives it.
 void stop_all(std::vector<Worker>& ws, int sig, double grace_seconds) {
   for (auto& w : ws)
-    if (w.running) ::kill(-w.pid, sig);
+    if (w.running) {
+      ::kill(-w.pid, sig);
+      ::kill(-w.pid, SIGCONT);  // a stopped worker (SIGSTOP, a debugger) must see it too
+    }
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_seconds);
   for (;;) {

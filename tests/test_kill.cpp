@@ -54,19 +54,24 @@ std::vector<std::pair<pid_t, int>> job_processes(const std::string& marker) {
 
 struct KillResult {
   int launcher_status = 0;
-  double seconds_to_exit = 0;
+  double seconds_to_exit = 0;          // until the launcher exited
+  double seconds_to_others_exit = -1;  // until every rank but the victim had exited
   int victim = -1;
   std::string output;
 };
 
-// Starts the job, waits for `steps_before` logged steps plus `delay_ms`, kills one rank.
+// Starts the job, waits for `steps_before` logged steps plus `delay_ms`, sends `sig` to one
+// rank (SIGKILL: a lost machine; SIGSTOP: a rank alive but silent). `timeout` is
+// comm.train_timeout_seconds.
 KillResult kill_one_rank(Launcher l, int world, const std::string& dir, int victim,
-                         int steps_before, int delay_ms) {
+                         int steps_before, int delay_ms, int sig = SIGKILL,
+                         int timeout = kTimeout, const std::string& extra = "") {
   const std::string args =
       "train --job.dump_folder " + dir + " --training.steps 100000 --training.threads 1"
       " --model.dim 32 --model.n_heads 2 --model.n_layers 2 --model.max_seq_len 32"
       " --training.seq_len 32 --metrics.log_freq 1 --checkpoint.interval 1"
-      " --checkpoint.keep_latest_k 2 --comm.train_timeout_seconds " + std::to_string(kTimeout);
+      " --checkpoint.keep_latest_k 2 --comm.train_timeout_seconds " + std::to_string(timeout) +
+      " " + extra;
   const std::string log = dir + ".out";
   const std::string cmd = "exec " + test::launch_command(world, args, l) + " >" + log + " 2>&1";
   const pid_t launcher = ::fork();
@@ -95,11 +100,17 @@ KillResult kill_one_rank(Launcher l, int world, const std::string& dir, int vict
     r.output = "no process of rank " + std::to_string(victim) + " found; " + test::read_text(log);
     return r;
   }
-  ::kill(target, SIGKILL);
+  ::kill(target, sig);
   const auto killed = Clock::now();
   int status = 0;
   while (::waitpid(launcher, &status, WNOHANG) == 0) {
-    if (Clock::now() - killed > std::chrono::seconds(kTimeout + 30)) {
+    if (r.seconds_to_others_exit < 0) {
+      bool others = false;
+      for (const auto& [pid, rank] : job_processes(dir)) others = others || pid != target;
+      if (!others)
+        r.seconds_to_others_exit = std::chrono::duration<double>(Clock::now() - killed).count();
+    }
+    if (Clock::now() - killed > std::chrono::seconds(timeout + 60)) {  // torchrun's grace is 30 s
       ::kill(-launcher, SIGKILL);
       ::waitpid(launcher, &status, 0);
       break;
@@ -107,6 +118,7 @@ KillResult kill_one_rank(Launcher l, int world, const std::string& dir, int vict
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   r.seconds_to_exit = std::chrono::duration<double>(Clock::now() - killed).count();
+  if (r.seconds_to_others_exit < 0) r.seconds_to_others_exit = r.seconds_to_exit;
   r.launcher_status = status;
   r.output = test::read_text(log);
   return r;
@@ -156,6 +168,53 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
 }
 
 }  // namespace
+
+// A rank stopped with SIGSTOP (alive, silent) under each launcher, in ddp and sharded mode:
+// every other rank fails its collective after comm.train_timeout_seconds with the one-line
+// error and has exited within the timeout + 10 s; then the launcher ends the stopped one (it
+// cannot act on SIGTERM while stopped): lockstep-run sends SIGCONT with its SIGTERM, mpirun
+// kills it when a rank ends without finalizing, torchrun SIGKILLs it after its own 30 s grace.
+// Nothing of the job is left running.
+void expect_stall_fails_the_job(Launcher l, double launcher_grace = 0) {
+  constexpr int kStallTimeout = 5;
+  for (const char* mode : {"ddp", "sharded"}) {
+    SCOPED_TRACE(mode);
+    test::TempDir dir;
+    const KillResult r = kill_one_rank(l, 2, dir / "run", 1, 3, 0, SIGSTOP, kStallTimeout,
+                                       std::string("--parallelism.mode ") + mode);
+    std::vector<std::pair<pid_t, int>> left;
+    for (int i = 0; i < 300 && !(left = job_processes(dir.path())).empty(); ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (const auto& [pid, rank] : left) ::kill(pid, SIGKILL);  // leave no stopped process
+    ASSERT_GT(r.seconds_to_exit, 0) << r.output;
+    std::printf("stalled rank 1 (%s): the other rank exited %.1f s later, the launcher %.1f s\n",
+                mode, r.seconds_to_others_exit, r.seconds_to_exit);
+    EXPECT_FALSE(WIFEXITED(r.launcher_status) && WEXITSTATUS(r.launcher_status) == 0) << r.output;
+    EXPECT_LT(r.seconds_to_others_exit, kStallTimeout + 10) << r.output;
+    EXPECT_LT(r.seconds_to_exit, kStallTimeout + 10 + launcher_grace) << r.output;
+    EXPECT_NE(r.output.find("lockstep: error: "), std::string::npos) << r.output;
+    EXPECT_TRUE(left.empty()) << left.size() << " process(es) of the job left, e.g. pid "
+                              << left[0].first << "\n" << r.output;
+  }
+}
+
+TEST(StallRank, UnderLockstepRun) { expect_stall_fails_the_job(Launcher::kLockstepRun); }
+
+TEST(StallRank, UnderMpirunWithMpiCollectives) {
+#if !LOCKSTEP_WITH_MPI
+  GTEST_SKIP() << "built without MPI";
+#endif
+  expect_stall_fails_the_job(Launcher::kMpirunMpi);
+}
+
+TEST(StallRank, UnderMpirunWithGlooCollectives) {
+  expect_stall_fails_the_job(Launcher::kMpirunGloo);
+}
+
+TEST(StallRank, UnderTorchrun) {
+  if (std::string(TORCHRUN).empty()) GTEST_SKIP() << "no torchrun found at configure time";
+  expect_stall_fails_the_job(Launcher::kTorchrun, /*launcher_grace=*/30);
+}
 
 TEST(KillRank, UnderLockstepRun) {
   expect_survives_kills(Launcher::kLockstepRun, "worker rank R ");

@@ -52,6 +52,10 @@ class MpiComm final : public Comm {
           rank_, size_, ranks.rank, ranks.world_size));
   }
   ~MpiComm() override {
+    // After a collective failed, a peer is dead or stalled: MPI_Comm_free and MPI_Finalize would
+    // wait for it forever. Leave MPI as it is; the process exits with its error and mpirun, seeing
+    // a rank end without finalizing, stops the others.
+    if (failed_) return;
     MPI_Comm_free(&comm_);
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -168,16 +172,19 @@ class MpiComm final : public Comm {
       MPI_Test(&req, &done, MPI_STATUS_IGNORE);
       if (done) return;
       if (i > 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      if ((i & 63) == 0 && Clock::now() > deadline)
+      if ((i & 63) == 0 && Clock::now() > deadline) {
+        failed_ = true;
         throw Error(ExitCode::kFailure,
                     fmt::format("mpi {} did not finish on rank {} of {} within "
                                 "comm.train_timeout_seconds = {} s; did a rank die or stall?",
                                 op, rank_, size_, timeout_));
+      }
     }
   }
 
   double timeout_;
   bool owns_mpi_ = false;
+  bool failed_ = false;  // a collective timed out: never block in MPI again
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
 };
