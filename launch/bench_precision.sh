@@ -51,7 +51,7 @@ run_lockstep() {  # MODEL RANKS PRECISION TIMED_STEPS
   "$python" - "$tmp/run" "$n" "$model" "$precision" "$warmup" >>"$results" <<'PY'
 import json, re, sys
 run, n, model, precision, warmup = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
-m = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
+m = [r for r in map(json.loads, open(f"{run}/metrics.jsonl")) if "event" not in r]
 first = next(r for r in m if r["step"] == warmup)
 last = m[-1]
 tokens = last["tokens_seen"] - first["tokens_seen"]

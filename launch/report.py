@@ -46,7 +46,7 @@ def main():
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path):
         sys.exit(f"lockstep report: no {metrics_path}; pass a lockstep run directory (job.dump_folder)")
-    metrics = read_jsonl(metrics_path)
+    metrics = [m for m in read_jsonl(metrics_path) if "event" not in m]  # resume/rewind records
     # A resumed run appends: keep the last record of each step.
     by_step = {m["step"]: m for m in metrics}
     steps = sorted(by_step)

@@ -110,6 +110,7 @@ std::vector<Worker> start(const Options& o, int attempt) {
     env["MASTER_PORT"] = std::to_string(o.master_port);
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o.max_restarts);
+    env["LOCKSTEP_RUN_PREFIX"] = "1";  // the worker need not print its rank: we prefix it
     env.erase("TORCHELASTIC_USE_AGENT_STORE");  // rank 0 serves the store itself
     std::vector<std::string> env_strings;
     for (const auto& [k, v] : env) env_strings.push_back(k + "=" + v);

@@ -19,6 +19,7 @@
 #include <toml++/toml.h>
 
 #include "diag/fault.h"
+#include "fsutil.h"
 #include "lockstep/error.h"
 #include "text.h"
 
@@ -43,6 +44,7 @@ LOCKSTEP_CHOICES(Backend, "auto", "gloo", "mpi", "nccl")
 LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded")
 LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
 LOCKSTEP_CHOICES(ReducePrecision, "float32", "bfloat16")
+LOCKSTEP_CHOICES(OnExisting, "refuse", "archive", "overwrite")
 #undef LOCKSTEP_CHOICES
 
 namespace {
@@ -153,6 +155,10 @@ void job_and_model_fields(std::vector<Field>& t) {
                            "run directory: resolved config, logs, metrics, checkpoints"));
   t.push_back(string_field("job", "description", &C::job, &JobConfig::description,
                            "free text, written into the run directory"));
+  t.push_back(choice_field("job", "on_existing", &C::job, &JobConfig::on_existing,
+                           "a fresh start in a run folder holding an earlier run's checkpoints: "
+                           "refuse (exit 2), archive them (and its logs, metrics, diagnostics) "
+                           "into RUN_DIR/archive/<time>/, or overwrite (delete) them"));
   t.push_back(choice_field("model", "name", &C::model, &ModelConfig::name,
                            "model family: a GPT-style decoder-only transformer"));
   t.push_back(int_field("model", "vocab_size", &C::model, &ModelConfig::vocab_size, 2, 1 << 24,
@@ -269,6 +275,14 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
                         kMaxInt, "keep this many newest checkpoints; 0 = keep all"));
   t.push_back(int_field("checkpoint", "load_step", &C::checkpoint, &K::load_step, -1, kMaxInt,
                         "resume: -1 = latest if any, 0 = start fresh, N = step N"));
+  t.push_back(bool_field("checkpoint", "allow_data_change", &C::checkpoint,
+                         &K::allow_data_change,
+                         "resume although seed, seq_len or the data changed (the data order "
+                         "then differs from the run's); false = refuse such a resume"));
+  t.push_back(float_field("checkpoint", "timeout_seconds", &C::checkpoint, &K::timeout_seconds, 0,
+                          true, 604800,
+                          "time allowed for each collective of a save or load (rank 0 may "
+                          "write for long)"));
   t.push_back(int_field("metrics", "log_freq", &C::metrics, &MetricsConfig::log_freq, 1, kMaxInt,
                         "progress line and metrics record every this many steps"));
   t.push_back(choice_field("data", "source", &C::data, &D::source,
@@ -296,7 +310,7 @@ void parallelism_fields(std::vector<Field>& t) {
                            "sharded (ZeRO-2): gradients reduce-scattered, each rank keeps and "
                            "updates 1/W of the master weights and AdamW state, parameters "
                            "all-gathered"));
-  t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0, true,
+  t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0.001, false,
                           1 << 16,
                           "sharded: MiB moved per reduce-scatter / all-gather call (all ranks' "
                           "blocks together); bounds the backends' staging buffers"));
@@ -659,14 +673,13 @@ Config default_config(const std::vector<Override>& overrides) {
 }
 
 Config load_config_file(const std::string& path, const std::vector<Override>& overrides) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw ConfigError(fmt::format("cannot read config file '{}': no such file or not readable; "
-                                  "check the --config path",
-                                  path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return load_config(ss.str(), path, overrides);
+  std::string text;
+  try {
+    text = fs::read_file(path);  // a read error part-way or a FIFO is an error, never defaults
+  } catch (const InputError& e) {
+    throw ConfigError(fmt::format("config file: {}; check the --config path", e.what()));
+  }
+  return load_config(text, path, overrides);
 }
 
 std::string to_toml(const Config& c) {

@@ -72,12 +72,38 @@ void write_file_atomic(const std::string& path, std::string_view data) {
   sync_dir(parent.empty() ? "." : parent);
 }
 
+int open_regular(const std::string& path) {
+  // O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) fail("read", path, errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw InputError(fmt::format("cannot read '{}': not a regular file (a directory, FIFO or "
+                                 "device); pass a file",
+                                 path));
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
 std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("read", path, errno ? errno : ENOENT);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  const int fd = open_regular(path);
+  std::string out;
+  char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      fail("read", path, err);  // e.g. EIO: never take a half-read file for the whole
+    }
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
 }
 
 bool exists(const std::string& path) {

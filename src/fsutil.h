@@ -14,8 +14,11 @@ void write_file_synced(const std::string& path, std::string_view data);
 void write_file_atomic(const std::string& path, std::string_view data);
 // fsync of a directory, so that renames inside it are durable.
 void sync_dir(const std::string& path);
-// Reads a whole file; throws InputError naming the path when it cannot.
+// Reads a whole regular file; throws InputError naming the path when it cannot (missing,
+// unreadable, a read error part-way, or not a regular file: a FIFO never blocks it).
 std::string read_file(const std::string& path);
+// Opens a regular file for reading (the same checks); the caller closes the descriptor.
+int open_regular(const std::string& path);
 bool exists(const std::string& path);
 // rm -rf; errors are ignored (used for temporary and superseded folders only).
 void remove_all(const std::string& path);

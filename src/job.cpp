@@ -5,6 +5,7 @@
 
 #include "fsutil.h"
 #include "lockstep/error.h"
+#include "rundir.h"
 #include "log.h"
 #include "diag/metrics.h"
 #include "runtime.h"
@@ -12,11 +13,24 @@
 namespace lockstep {
 namespace {
 
-// The run directory, this rank's log file; rank 0 prints info, the others warnings only.
+// The console: rank 0 prints info, the others warnings only; no rank in the pattern when
+// lockstep-run prefixes it, no colours under mpirun (its pseudo-terminals are not the user's)
+// or with NO_COLOR. The rank's log file opens once the run is known to start (accept()).
 void start_logging(Job& j) {
+  const char* no_color = std::getenv("NO_COLOR");
+  log::init(j.ranks.rank,
+            {j.lead ? log::Level::kInfo : log::Level::kWarn, !j.ranks.output_prefixed,
+             j.ranks.launcher != "mpi" && !(no_color && *no_color)});
+}
+
+// The run folder is this run's now: its log files, config.toml and diagnostics file.
+void accept(Job& j) {
   fs::make_dirs(j.run_dir + "/logs");
-  log::init(j.ranks.rank, fmt::format("{}/logs/rank{}.log", j.run_dir, j.ranks.rank),
-            log::Level::kInfo, j.lead ? log::Level::kInfo : log::Level::kWarn);
+  log::attach_file(fmt::format("{}/logs/rank{}.log", j.run_dir, j.ranks.rank));
+  if (j.lead) fs::write_file_atomic(j.run_dir + "/config.toml", to_toml(j.config));
+  fs::make_dirs(j.run_dir + "/diagnostics");
+  j.events = std::make_unique<JsonlWriter>(
+      fmt::format("{}/diagnostics/rank{}.jsonl", j.run_dir, j.ranks.rank));
 }
 
 void connect_ranks(Job& j) {
@@ -94,14 +108,21 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.run_dir = c.job.dump_folder;
   start_logging(j);
   j.device = resolve_device(c.training.device, j.ranks.local_rank);
-  connect_ranks(j);
-  if (j.lead) fs::write_file_atomic(j.run_dir + "/config.toml", to_toml(c));
-  set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
-  if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
-  seed_global_rng(static_cast<uint64_t>(c.training.seed));
+  // Everything a rank can check alone is checked before the rendezvous (a bad data file must
+  // not cost the others their init timeout); rank 0 claims the run folder.
   open_data(j);
   j.faults = std::make_unique<FaultInjector>(c.fault, j.ranks.rank, j.ranks.world_size,
                                              j.ranks.restart_count);
+  if (j.lead) {
+    j.lock = std::make_unique<RunFolderLock>(j.run_dir);
+    if (!j.lock->previous_holder().empty())
+      log::warn("run folder {}: took over the lock of a run that ended without releasing it ({})",
+                j.run_dir, j.lock->previous_holder());
+  }
+  connect_ranks(j);
+  set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
+  if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
+  seed_global_rng(static_cast<uint64_t>(c.training.seed));
   build_model(j);
   j.detector = std::make_unique<SkipDetector>(c.skip);
   j.scaler = std::make_unique<LossScaler>(c.training);
@@ -117,18 +138,58 @@ std::unique_ptr<Job> build_job(const Config& config) {
   return job;
 }
 
+namespace {
+
+// A fresh start: an earlier run's checkpoints in the folder are refused, archived or deleted
+// (job.on_existing; rank 0 moves them, every rank refuses alike).
+void start_fresh(Job& j) {
+  const auto earlier = j.checkpointer->steps();
+  if (earlier.empty()) return;
+  if (!j.lead && j.config.job.on_existing != OnExisting::kRefuse) return;
+  const std::string done = prepare_fresh_start(j.run_dir, j.checkpointer->folder(), earlier,
+                                               j.config.job.on_existing);
+  log::warn("{}", done);
+}
+
+// Loads checkpoint `step`, after checking that resuming from it keeps the data order; a rewind
+// (an earlier step than the latest) names the checkpoints it will replace, in the log and in
+// the metrics.
+void load(Job& j, int64_t step) {
+  const nlohmann::json meta = j.checkpointer->meta(step);
+  for (const auto& w : check_resume(meta.at("config"), meta.at("world_size").get<int64_t>(),
+                                    j.config, j.ranks.world_size))
+    log::warn("{}", w);
+  j.state = j.checkpointer->load(step, j.dp->weights_to_load(), j.config_json,
+                                 [&](MomentReader& m) { j.dp->load_optimizer(m); });
+  j.sampler->set_position(j.state.data_position);
+  if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
+  j.scaler->load_state(j.state.loss_scale);
+  std::vector<int64_t> newer;
+  for (int64_t s : j.checkpointer->steps())
+    if (s > step) newer.push_back(s);
+  log::info("resumed from {} (step {}, data position {})", j.checkpointer->dir_of(step),
+            j.state.step, j.state.data_position);
+  if (!newer.empty())
+    log::warn("rewinding to step {}: the newer checkpoints (steps {}) will be replaced as the run "
+              "passes them",
+              step, fmt::join(newer, ", "));
+  if (j.lead)
+    JsonlWriter(j.run_dir + "/metrics.jsonl")
+        .write({{"event", newer.empty() ? "resume" : "rewind"},
+                {"step", step},
+                {"checkpoint", j.checkpointer->dir_of(step)},
+                {"newer_checkpoints", newer}});
+}
+
+}  // namespace
+
 void resume(Job& j) {
   const int64_t step =
       j.config.checkpoint.enable ? j.checkpointer->step_to_load(j.config.checkpoint.load_step) : 0;
-  if (step > 0) {
-    j.state = j.checkpointer->load(step, j.dp->weights_to_load(), j.config_json,
-                                   [&](MomentReader& m) { j.dp->load_optimizer(m); });
-    j.sampler->set_position(j.state.data_position);
-    if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
-    j.scaler->load_state(j.state.loss_scale);
-    log::info("resumed from {} (step {}, data position {})", j.checkpointer->dir_of(step),
-              j.state.step, j.state.data_position);
-  }
+  if (step > 0)
+    load(j, step);
+  else
+    start_fresh(j);
   j.state.world_size = j.ranks.world_size;
   log::info("lockstep: {} parameters, device {}, {} threads, data: {}",
             j.model->num_parameters(), j.device.str(), at::get_num_threads(),
@@ -138,9 +199,7 @@ void resume(Job& j) {
   j.dp->replicate_parameters();
   log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB)", resident_mib(),
             peak_resident_mib());
-  fs::make_dirs(j.run_dir + "/diagnostics");
-  j.events = std::make_unique<JsonlWriter>(
-      fmt::format("{}/diagnostics/rank{}.jsonl", j.run_dir, j.ranks.rank));
+  accept(j);
   log_setup(j);
 }
 

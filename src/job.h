@@ -23,6 +23,7 @@
 #include "optim/schedule.h"
 #include "parallel/data_parallel.h"
 #include "ranks.h"
+#include "rundir.h"
 
 namespace lockstep {
 
@@ -33,6 +34,7 @@ struct Job {
   RankInfo ranks;
   bool lead = true;  // rank 0: writes config, metrics, checkpoints; prints progress
   std::string run_dir;
+  std::unique_ptr<RunFolderLock> lock;  // rank 0, while the run lives
   c10::Device device{c10::kCPU};
   std::unique_ptr<Comm> comm;  // null on one rank
   std::unique_ptr<TokenSource> source;
@@ -57,8 +59,10 @@ struct Job {
 // parallelism (with its optimizer), checks, detector, checkpointer, writers.
 std::unique_ptr<Job> build_job(const Config& config);
 
-// Loads the checkpoint checkpoint.load_step names (none: a fresh start), then makes every rank
-// hold rank 0's weights and logs the run's shape.
+// Loads the checkpoint checkpoint.load_step names after checking it keeps the data order, or
+// starts fresh (an earlier run's checkpoints in the folder: job.on_existing); then makes every
+// rank hold rank 0's weights, opens the run's files (logs, config.toml, diagnostics: only now,
+// so a rejected start leaves nothing behind) and logs the run's shape.
 void resume(Job& job);
 
 // A collective checkpoint of the current state (every rank calls it). Returns its folder, or

@@ -1,6 +1,7 @@
 #include "log.h"
 
 #include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/ringbuffer_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -10,20 +11,24 @@
 namespace lockstep::log {
 namespace {
 
-std::shared_ptr<spdlog::logger>& logger() {
-  static std::shared_ptr<spdlog::logger> l = [] {
-    auto sink = std::make_shared<spdlog::sinks::stdout_color_sink_mt>();
-    auto lg = std::make_shared<spdlog::logger>("lockstep", sink);
-    lg->set_pattern("[%H:%M:%S] [rank 0] %^%l%$ %v");
-    return lg;
-  }();
-  return l;
-}
+constexpr size_t kKeptLines = 10000;  // lines logged before the file is attached
 
-// The per-rank file's own logger (same sink as the main logger's file sink), or null.
-std::shared_ptr<spdlog::logger>& file_logger() {
-  static std::shared_ptr<spdlog::logger> l;
-  return l;
+struct State {
+  std::shared_ptr<spdlog::logger> logger;
+  std::shared_ptr<spdlog::logger> file_logger;  // the file sink alone, or null
+  std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> kept;  // until attach_file
+  std::string file_pattern;
+};
+
+State& state() {
+  static State s = [] {
+    State st;
+    auto sink = std::make_shared<spdlog::sinks::stdout_color_sink_mt>();
+    st.logger = std::make_shared<spdlog::logger>("lockstep", sink);
+    st.logger->set_pattern("[%H:%M:%S] [rank 0] %^%l%$ %v");
+    return st;
+  }();
+  return s;
 }
 
 spdlog::level::level_enum to_spd(Level l) {
@@ -38,30 +43,57 @@ spdlog::level::level_enum to_spd(Level l) {
 
 }  // namespace
 
-void init(int rank, const std::string& file, Level level, Level console_level) {
-  std::vector<spdlog::sink_ptr> sinks;
-  sinks.push_back(std::make_shared<spdlog::sinks::stdout_color_sink_mt>());
-  sinks.back()->set_level(to_spd(console_level));
-  file_logger().reset();
-  if (!file.empty()) {
-    sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(file, /*truncate=*/false));
-    file_logger() = std::make_shared<spdlog::logger>("lockstep-file", sinks.back());
-    file_logger()->set_pattern(fmt::format("[%Y-%m-%d %H:%M:%S.%e] [rank {}] %^%l%$ %v", rank));
-    file_logger()->flush_on(spdlog::level::warn);
-  }
-  auto lg = std::make_shared<spdlog::logger>("lockstep", sinks.begin(), sinks.end());
-  lg->set_pattern(fmt::format("[%Y-%m-%d %H:%M:%S.%e] [rank {}] %^%l%$ %v", rank));
-  lg->set_level(to_spd(level));
-  lg->flush_on(spdlog::level::warn);
-  logger() = lg;
+void init(int rank, ConsoleOptions console) {
+  State& s = state();
+  auto out = std::make_shared<spdlog::sinks::stdout_color_sink_mt>(
+      console.color ? spdlog::color_mode::automatic : spdlog::color_mode::never);
+  out->set_level(to_spd(console.level));
+  out->set_pattern(console.show_rank
+                       ? fmt::format("[%Y-%m-%d %H:%M:%S.%e] [rank {}] %^%l%$ %v", rank)
+                       : "[%Y-%m-%d %H:%M:%S.%e] %^%l%$ %v");
+  s.file_pattern = fmt::format("[%Y-%m-%d %H:%M:%S.%e] [rank {}] %l %v", rank);
+  s.kept = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(kKeptLines);
+  s.kept->set_pattern(s.file_pattern);
+  s.file_logger.reset();
+  s.logger = std::make_shared<spdlog::logger>("lockstep", spdlog::sinks_init_list{out, s.kept});
+  s.logger->set_level(spdlog::level::info);
+  s.logger->flush_on(spdlog::level::warn);
 }
 
-void write(Level level, std::string_view message) { logger()->log(to_spd(level), message); }
+void attach_file(const std::string& path) {
+  State& s = state();
+  auto file = std::make_shared<spdlog::sinks::basic_file_sink_mt>(path, /*truncate=*/false);
+  file->set_pattern("%v");
+  if (s.kept) {  // the lines logged so far, formatted as the file formats them
+    auto replay = std::make_shared<spdlog::logger>("lockstep-replay", file);
+    replay->set_pattern("%v");
+    for (const auto& line : s.kept->last_formatted()) {
+      std::string text = line;
+      while (!text.empty() && (text.back() == '\n' || text.back() == '\r')) text.pop_back();
+      replay->info(text);
+    }
+    replay->flush();
+  }
+  file->set_pattern(s.file_pattern);
+  std::vector<spdlog::sink_ptr> sinks;
+  for (const auto& sink : s.logger->sinks())
+    if (sink != s.kept) sinks.push_back(sink);
+  sinks.push_back(file);
+  s.kept.reset();
+  s.file_logger = std::make_shared<spdlog::logger>("lockstep-file", file);
+  s.file_logger->flush_on(spdlog::level::warn);
+  auto lg = std::make_shared<spdlog::logger>("lockstep", sinks.begin(), sinks.end());
+  lg->set_level(s.logger->level());
+  lg->flush_on(spdlog::level::warn);
+  s.logger = lg;
+}
+
+void write(Level level, std::string_view message) { state().logger->log(to_spd(level), message); }
 
 void write_file_only(Level level, std::string_view message) {
-  if (file_logger()) file_logger()->log(to_spd(level), message);
+  if (state().file_logger) state().file_logger->log(to_spd(level), message);
 }
 
-void flush() { logger()->flush(); }
+void flush() { state().logger->flush(); }
 
 }  // namespace lockstep::log

@@ -12,11 +12,19 @@ namespace lockstep::log {
 
 enum class Level { kDebug, kInfo, kWarn, kError };
 
-// Console sink on stdout with `[rank R]` in the pattern, plus a per-rank file when
-// `file` is not empty. `console_level` lets ranks other than 0 print warnings only. May be
-// called again (e.g. once the run directory exists).
-void init(int rank, const std::string& file = "", Level level = Level::kInfo,
-          Level console_level = Level::kInfo);
+struct ConsoleOptions {
+  Level level = Level::kInfo;  // ranks other than 0 print warnings only
+  bool show_rank = true;       // false when the launcher prefixes every line with it
+  bool color = true;           // ANSI colours, only ever on a terminal
+};
+
+// Logs to stdout (`[rank R]` in the pattern unless the launcher prefixes it) and keeps every
+// line for the rank's file, which attach_file() opens once the run folder is known to be this
+// run's (a rejected start leaves no logs behind). May be called again.
+void init(int rank, ConsoleOptions console = {});
+// Opens the per-rank log file (appending), writes the lines kept so far into it and from now
+// on every line.
+void attach_file(const std::string& path);
 void write(Level level, std::string_view message);
 // To the per-rank file only (the error that ends a run: the console gets it from main).
 void write_file_only(Level level, std::string_view message);

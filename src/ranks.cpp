@@ -85,6 +85,8 @@ std::string first_slurm_host(const std::string& nodelist) {
 RankInfo discover_ranks(const GetEnv& env) {
   RankInfo r;
   constexpr int kMax = 1 << 24;
+  const char* prefixed = env("LOCKSTEP_RUN_PREFIX");
+  r.output_prefixed = prefixed && std::string(prefixed) == "1";
   if (env("RANK") || env("WORLD_SIZE")) {  // torchrun (or any launcher of its contract)
     r.launcher = "torchrun";
     r.rank = required(env, "RANK", "torchrun", 0, kMax);

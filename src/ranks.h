@@ -16,6 +16,7 @@ struct RankInfo {
   std::string launcher = "single";  // single | torchrun | mpi | slurm
   int restart_count = 0;            // TORCHELASTIC_RESTART_COUNT
   bool use_agent_store = false;     // TORCHELASTIC_USE_AGENT_STORE: connect as a client only
+  bool output_prefixed = false;     // LOCKSTEP_RUN_PREFIX: lockstep-run prefixes every line
   // Key prefix in the store: "/worker/attempt_<restart>" under torchrun, as PyTorch workers use.
   std::string store_prefix() const;
 };

@@ -86,6 +86,7 @@ struct RunOutcome {
 inline std::vector<double> grad_norms(const std::string& run_dir) {
   std::vector<double> out;
   for (const auto& m : read_jsonl(run_dir + "/metrics.jsonl"))
+    if (!m.contains("event"))  // resume / rewind records
     out.push_back(m["grad_norm"].is_number() ? m["grad_norm"].get<double>() : std::nan(""));
   return out;
 }
@@ -93,6 +94,7 @@ inline std::vector<double> grad_norms(const std::string& run_dir) {
 inline RunOutcome outcome(const std::string& run_dir, int ranks) {
   RunOutcome o;
   for (const auto& m : read_jsonl(run_dir + "/metrics.jsonl"))  // NaN is written as "NaN"
+    if (!m.contains("event"))  // resume / rewind records
     o.losses.push_back(m["loss"].is_number() ? m["loss"].get<double>() : std::nan(""));
   o.grad_norms = grad_norms(run_dir);
   for (int r = 0; r < ranks; ++r) {

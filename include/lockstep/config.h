@@ -29,6 +29,7 @@ enum class Backend { kAuto, kGloo, kMpi, kNccl };   // auto: nccl on GPUs, gloo 
 enum class ParallelMode { kDdp, kSharded };         // sharded = ZeRO-2
 enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16", "float16"
 enum class ReducePrecision { kFloat32, kBFloat16 };
+enum class OnExisting { kRefuse, kArchive, kOverwrite };  // a fresh start in a used run folder
 
 // The spelling of each value, in declaration order ("gpt", "auto", "cpu", ...).
 template <typename E>
@@ -45,6 +46,7 @@ template <> std::span<const std::string_view> choice_names<Backend>();
 template <> std::span<const std::string_view> choice_names<ParallelMode>();
 template <> std::span<const std::string_view> choice_names<Precision>();
 template <> std::span<const std::string_view> choice_names<ReducePrecision>();
+template <> std::span<const std::string_view> choice_names<OnExisting>();
 template <typename E>
 std::string_view name_of(E e) {
   return choice_names<E>()[static_cast<size_t>(e)];
@@ -54,6 +56,9 @@ std::string_view name_of(E e) {
 struct JobConfig {
   std::string dump_folder = "./outputs/default";  // the run directory
   std::string description = "tiny GPT on the synthetic corpus";
+  // A fresh start (nothing resumed) in a run folder that holds an earlier run's checkpoints:
+  // refuse, or move that run's files into RUN_DIR/archive/<time>/, or delete them.
+  OnExisting on_existing = OnExisting::kRefuse;
 };
 
 struct ModelConfig {
@@ -117,6 +122,10 @@ struct CheckpointConfig {
   int64_t interval = 100;
   int64_t keep_latest_k = 2;  // 0 = keep all
   int64_t load_step = -1;     // -1 = the latest, 0 = start fresh, N = that step
+  // A resume that changes what the data position means (seed, seq_len, the data) is refused
+  // unless this is true (then it warns).
+  bool allow_data_change = false;
+  double timeout_seconds = 1800;  // each collective of a save or load (writing takes long)
 };
 
 struct MetricsConfig {

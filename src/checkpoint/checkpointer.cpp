@@ -178,6 +178,8 @@ void check_same_model(const std::string& dir, const json& saved, const json& con
 
 Checkpointer::Checkpointer(CheckpointOptions options) : opt_(std::move(options)) {}
 
+json Checkpointer::meta(int64_t step) const { return read_meta(dir_of(step)); }
+
 std::string Checkpointer::dir_of(int64_t step) const {
   return fmt::format("{}/step-{}", opt_.folder, step);
 }

@@ -91,6 +91,9 @@ class Checkpointer {
   }
 
   std::string dir_of(int64_t step) const;
+  const std::string& folder() const { return opt_.folder; }
+  // The meta.json of step `step`, checked (InputError naming the file and key otherwise).
+  nlohmann::json meta(int64_t step) const;
 
  private:
   // The phases of a collective save (see save()).

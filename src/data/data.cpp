@@ -52,25 +52,38 @@ class VectorSource final : public TokenSource {
   int64_t max_ = 0;
 };
 
-// A memory-mapped token file; pages are read on demand, so large files cost no RAM up front.
-class MappedFileSource final : public TokenSource {
+// A token file read with pread, window by window: nothing is mapped, so a file truncated or
+// replaced while training is an error naming it, never a SIGBUS.
+class FileSource final : public TokenSource {
  public:
-  MappedFileSource(std::string path, const void* data, size_t bytes, int width)
-      : path_(std::move(path)), data_(data), bytes_(bytes), width_(width) {}
-  ~MappedFileSource() override { munmap(const_cast<void*>(data_), bytes_); }
+  FileSource(std::string path, int fd, size_t bytes, int width)
+      : path_(std::move(path)), fd_(fd), bytes_(bytes), width_(width) {}
+  ~FileSource() override { ::close(fd_); }
 
   int64_t size() const override { return static_cast<int64_t>(bytes_ / width_); }
   void read(int64_t start, int64_t n, int64_t* out) const override {
-    if (width_ == 1) {
-      auto* p = static_cast<const uint8_t*>(data_) + start;
-      for (int64_t i = 0; i < n; ++i) out[i] = p[i];
-    } else {
-      static_assert(std::endian::native == std::endian::little,
-                    "uint16 token files are little-endian; add a byte swap for this host");
-      auto* p = static_cast<const uint8_t*>(data_) + 2 * start;
-      for (int64_t i = 0; i < n; ++i) {
+    static_assert(std::endian::native == std::endian::little,
+                  "uint16 token files are little-endian; add a byte swap for this host");
+    std::vector<uint8_t>& buf = buffer();
+    buf.resize(static_cast<size_t>(n * width_));
+    size_t got = 0;
+    const auto offset = static_cast<off_t>(start * width_);
+    while (got < buf.size()) {
+      const ssize_t r = ::pread(fd_, buf.data() + got, buf.size() - got, offset + static_cast<off_t>(got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0)
+        throw InputError(fmt::format(
+            "data file '{}' could not be read at byte {} ({}); was it truncated or replaced "
+            "while training? restore it and resume",
+            path_, offset + static_cast<off_t>(got), r < 0 ? std::strerror(errno) : "end of file"));
+      got += static_cast<size_t>(r);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (width_ == 1) {
+        out[i] = buf[static_cast<size_t>(i)];
+      } else {
         uint16_t v;
-        std::memcpy(&v, p + 2 * i, 2);
+        std::memcpy(&v, buf.data() + 2 * i, 2);
         out[i] = v;
       }
     }
@@ -96,8 +109,14 @@ class MappedFileSource final : public TokenSource {
   }
 
  private:
+  // Per thread: read() may be called from several threads at once.
+  static std::vector<uint8_t>& buffer() {
+    thread_local std::vector<uint8_t> b;
+    return b;
+  }
+
   std::string path_;
-  const void* data_;
+  int fd_;
   size_t bytes_;
   int width_;
   int64_t max_ = 0;
@@ -154,7 +173,8 @@ std::unique_ptr<TokenSource> open_token_file(const std::string& path, TokenForma
     format = bin ? TokenFormat::kUint16 : TokenFormat::kBytes;
   }
   int width = format == TokenFormat::kUint16 ? 2 : 1;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO with no writer is refused below instead of blocking the open.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     throw InputError(fmt::format("cannot open data file '{}': {}; set data.path to a readable "
                                  "token file",
@@ -166,6 +186,7 @@ std::unique_ptr<TokenSource> open_token_file(const std::string& path, TokenForma
                                  "token file",
                                  path));
   }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   size_t bytes = static_cast<size_t>(st.st_size);
   if (bytes == 0) {
     ::close(fd);
@@ -179,13 +200,7 @@ std::unique_ptr<TokenSource> open_token_file(const std::string& path, TokenForma
                                  "tokens need; set data.format = \"bytes\" if it is raw bytes",
                                  path, bytes));
   }
-  void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
-  int map_errno = errno;
-  ::close(fd);
-  if (p == MAP_FAILED)
-    throw InputError(fmt::format("cannot map data file '{}': {}", path,
-                                 std::strerror(map_errno)));
-  auto src = std::make_unique<MappedFileSource>(path, p, bytes, width);
+  auto src = std::make_unique<FileSource>(path, fd, bytes, width);
   src->scan(vocab_size);
   return src;
 }
@@ -257,6 +272,13 @@ void Sampler::set_excluded(const std::vector<int64_t>& ids, const std::string& o
 }
 
 std::vector<int64_t> read_id_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
+    throw InputError(fmt::format("cannot read sample id file '{}': {}; check "
+                                 "data.exclude_ids_file",
+                                 path, ::stat(path.c_str(), &st) != 0
+                                           ? "no such file or not readable"
+                                           : "not a regular file (a directory, FIFO or device)"));
   std::ifstream in(path);
   if (!in)
     throw InputError(fmt::format("cannot read sample id file '{}': no such file or not "
