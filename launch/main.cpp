@@ -46,7 +46,9 @@ std::vector<std::string> take_file(std::vector<std::string> args, std::string& f
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 int fail(ExitCode code, const std::string& message) {
-  std::fprintf(stderr, "lockstep: error: %s\n", message.c_str());
+  std::cout.flush();  // what was printed before the error stays before it
+  std::fflush(stdout);
+  std::fprintf(stderr, "lockstep: error: %s\n", lockstep::one_line(message).c_str());
   return static_cast<int>(code);
 }
 
@@ -181,8 +183,9 @@ int checkpoint_info(const Cli& c) {
   for (const auto& t : j["tensors"])
     if (!t["ok"].get<bool>())
       return fail(ExitCode::kBadInput,
-                  fmt::format("checkpoint '{}': tensor '{}' fails its CRC32 check",
-                              j["path"].get<std::string>(), t["name"].get<std::string>()));
+                  fmt::format("checkpoint file '{}/{}': tensor '{}' {}", j["path"].get<std::string>(),
+                              t["file"].get<std::string>(), t["name"].get<std::string>(),
+                              t["problem"].get<std::string>()));
   return 0;
 }
 

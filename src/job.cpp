@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
+#include <chrono>
+
 #include "fsutil.h"
 #include "lockstep/error.h"
 #include "rundir.h"
@@ -131,8 +133,9 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.schedule = schedule_of(c);
   j.config_json = nlohmann::json::parse(to_json(c));
   const std::string& folder = c.checkpoint.folder;
-  j.checkpointer = std::make_unique<Checkpointer>(CheckpointOptions{
-      folder.starts_with("/") ? folder : j.run_dir + "/" + folder, c.checkpoint.keep_latest_k});
+  j.checkpointer = std::make_unique<Checkpointer>(
+      CheckpointOptions{folder.starts_with("/") ? folder : j.run_dir + "/" + folder,
+                        c.checkpoint.keep_latest_k, c.checkpoint.timeout_seconds});
   j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
                       c.training.gradient_accumulation_steps * j.ranks.world_size;
   return job;
@@ -159,16 +162,19 @@ void load(Job& j, int64_t step) {
   for (const auto& w : check_resume(meta.at("config"), meta.at("world_size").get<int64_t>(),
                                     j.config, j.ranks.world_size))
     log::warn("{}", w);
-  j.state = j.checkpointer->load(step, j.dp->weights_to_load(), j.config_json,
-                                 [&](MomentReader& m) { j.dp->load_optimizer(m); });
+  const auto start = std::chrono::steady_clock::now();
+  j.state = j.checkpointer->load(step, j.model->parameters(), j.config_json,
+                                 [&](CheckpointReader& r) { j.dp->load(r); });
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   j.sampler->set_position(j.state.data_position);
   if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
   j.scaler->load_state(j.state.loss_scale);
   std::vector<int64_t> newer;
   for (int64_t s : j.checkpointer->steps())
     if (s > step) newer.push_back(s);
-  log::info("resumed from {} (step {}, data position {})", j.checkpointer->dir_of(step),
-            j.state.step, j.state.data_position);
+  log::info("resumed from {} (step {}, data position {}; read in {:.1f} s)",
+            j.checkpointer->dir_of(step), j.state.step, j.state.data_position, secs);
   if (!newer.empty())
     log::warn("rewinding to step {}: the newer checkpoints (steps {}) will be replaced as the run "
               "passes them",
@@ -207,10 +213,17 @@ std::string save_checkpoint(Job& j) {
   if (!j.config.checkpoint.enable) return "";
   j.state.detector = j.detector->state();
   j.state.loss_scale = j.scaler->state();
+  const double before = resident_mib();
+  const bool peak = reset_peak_resident();
+  const auto start = std::chrono::steady_clock::now();
   const std::string dir =
       j.checkpointer->save(j.state, j.dp->weights(), j.dp->optimizer_part(j.state.optimizer_steps),
                            j.config_json, j.comm.get());
-  log::info("checkpoint saved: {}", dir);
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  log::info("checkpoint saved: {} ({:.1f} s{})", dir, secs,
+            peak ? fmt::format(", peak resident memory +{:.0f} MiB", peak_resident_mib() - before)
+                 : "");
   return dir;
 }
 

@@ -180,8 +180,12 @@ void expect_stall_fails_the_job(Launcher l, double launcher_grace = 0) {
   for (const char* mode : {"ddp", "sharded"}) {
     SCOPED_TRACE(mode);
     test::TempDir dir;
-    const KillResult r = kill_one_rank(l, 2, dir / "run", 1, 3, 0, SIGSTOP, kStallTimeout,
-                                       std::string("--parallelism.mode ") + mode);
+    // A checkpoint every step: the stall may fall into a save, whose collectives wait
+    // checkpoint.timeout_seconds.
+    const KillResult r = kill_one_rank(
+        l, 2, dir / "run", 1, 3, 0, SIGSTOP, kStallTimeout,
+        std::string("--parallelism.mode ") + mode +
+            " --checkpoint.timeout_seconds " + std::to_string(kStallTimeout));
     std::vector<std::pair<pid_t, int>> left;
     for (int i = 0; i < 300 && !(left = job_processes(dir.path())).empty(); ++i)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));

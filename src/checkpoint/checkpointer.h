@@ -1,13 +1,14 @@
-// Checkpoints: one folder per step with model and optimizer tensors in safetensors files and a
-// meta.json (counters, data position, RNG state, config, a CRC32 per tensor). Written into a
-// temporary folder, fsynced and renamed, so a kill at any moment leaves the previous
-// checkpoint loadable. This file is the collective save/load protocol and meta.json;
-// safetensors.h is the file codec, reshard.h reads optimizer state at any world size.
+// Checkpoints: one folder per step with the fp32 weights and the optimizer state in safetensors
+// files and a meta.json (counters, data position, RNG state, config, a CRC32 per tensor).
+// Written into a temporary folder, fsynced and renamed, so a kill at any moment leaves the
+// previous checkpoint loadable; a checkpoint loads only if it proves itself (every tensor's
+// CRC32, the counters, the shards' ranges). This file is the collective save/load protocol and
+// meta.json; safetensors.h is the file codec, reshard.h reads any layout at any world size.
 //
-// Layout of step-N/: model.safetensors (rank 0; the parameters are replicated in both modes),
-// then the optimizer in one of two layouts: optimizer.safetensors (rank 0, a tensor per
-// parameter; meta.json "mode": "ddp") or optimizer-rank<R>.safetensors (one per rank, its block
-// of the flat moments; "mode": "sharded"), and meta.json last.
+// Layout of step-N/: model.safetensors (the fp32 weights, rank 0 writes it), then the optimizer
+// in one of two layouts: optimizer.safetensors (rank 0, a tensor per parameter; meta.json
+// "mode": "ddp") or optimizer-rank<R>.safetensors (one per rank, its block of the flat moments,
+// its range in its own header; "mode": "sharded"), and meta.json last.
 #pragma once
 
 #include <cstdint>
@@ -37,10 +38,17 @@ struct TrainState {
   nlohmann::json loss_scale = nlohmann::json::object();  // LossScaler::state(); {} = fresh
 };
 
-// What one rank saves of the optimizer: per parameter ("<param>.exp_avg", ".exp_avg_sq",
-// ".step", as AdamW::state() names them; rank 0 writes them), or as flat shards ("exp_avg",
-// "exp_avg_sq" over [offset, offset + length) of the flat parameter space and a 0-dim "step";
-// every rank writes its own).
+// The fp32 weights a save writes, named like the parameters: the tensors themselves, or, when
+// they are spread over the ranks (sharded mixed precision), `tensors` for their names and
+// shapes and `gather` for their values: elements [lo, lo + n) of the flat weights, called by
+// every rank with the same arguments in turn (a collective).
+struct WeightSource {
+  std::vector<NamedTensor> tensors;
+  std::function<void(int64_t lo, int64_t n, float* dst)> gather;
+};
+
+// What one rank saves of the optimizer: per parameter (rank 0) or as this rank's flat shard
+// ("exp_avg", "exp_avg_sq" over [offset, offset + length) of the flat space, a 0-dim "step").
 struct OptimizerPart {
   OptimizerLayout layout = OptimizerLayout::kPerParameter;
   std::vector<NamedTensor> tensors;
@@ -48,8 +56,9 @@ struct OptimizerPart {
 };
 
 struct CheckpointOptions {
-  std::string folder;         // absolute or relative to the working directory
-  int64_t keep_latest_k = 0;  // 0 = keep all
+  std::string folder;            // absolute or relative to the working directory
+  int64_t keep_latest_k = 0;     // 0 = keep all
+  double timeout_seconds = 1800; // each collective of a save (rank 0 may write for long)
 };
 
 class Checkpointer {
@@ -61,14 +70,14 @@ class Checkpointer {
   // With `comm`, every rank calls it: each writes its part, and the folder appears only when
   // every part is on disk. A failure on any rank (a full disk) removes the partial folder and
   // throws on every rank, naming the rank; the earlier checkpoints stay as they were.
-  std::string save(const TrainState& state, const std::vector<NamedTensor>& model,
+  std::string save(const TrainState& state, const WeightSource& weights,
                    const OptimizerPart& optimizer, const nlohmann::json& config,
                    Comm* comm) const;
   // One rank, per-parameter optimizer state.
   std::string save(const TrainState& state, const std::vector<NamedTensor>& model,
                    const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const {
-    return save(state, model, OptimizerPart{OptimizerLayout::kPerParameter, optimizer},
-                config, nullptr);
+    return save(state, WeightSource{model, {}},
+                OptimizerPart{OptimizerLayout::kPerParameter, optimizer}, config, nullptr);
   }
 
   // Complete checkpoints, ascending by step.
@@ -77,18 +86,15 @@ class Checkpointer {
   // fresh, N = step N (InputError listing the available steps when it is missing).
   int64_t step_to_load(int64_t load_step) const;
 
-  // Loads step `step` into the model's tensors (names, shapes and dtypes must match) and the
-  // CPU RNG, and hands the optimizer's moments to `load_optimizer` (any layout, any world
-  // size). Throws InputError naming the file and the mismatch or corruption.
+  // Loads step `step`: checks meta.json and that `config`'s model section matches, restores
+  // the CPU RNG, and hands a reader of the weights and moments to `load` (the parameters'
+  // names and sizes lay out the flat space). Throws InputError naming the file and the problem.
   TrainState load(int64_t step, const std::vector<NamedTensor>& model,
                   const nlohmann::json& config,
-                  const std::function<void(MomentReader&)>& load_optimizer) const;
-  // One rank, per-parameter optimizer state.
+                  const std::function<void(CheckpointReader&)>& load) const;
+  // One rank, per-parameter optimizer state, the weights into `model` itself.
   TrainState load(int64_t step, const std::vector<NamedTensor>& model,
-                  const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const {
-    return load(step, model, config,
-                [&](MomentReader& m) { read_per_parameter(m, model, optimizer); });
-  }
+                  const std::vector<NamedTensor>& optimizer, const nlohmann::json& config) const;
 
   std::string dir_of(int64_t step) const;
   const std::string& folder() const { return opt_.folder; }
@@ -96,11 +102,9 @@ class Checkpointer {
   nlohmann::json meta(int64_t step) const;
 
  private:
-  // The phases of a collective save (see save()).
-  void write_parts(const std::string& tmp, const std::vector<NamedTensor>& model,
-                   const OptimizerPart& optimizer, int rank,
-                   std::map<std::string, uint32_t>& model_crc,
-                   std::map<std::string, uint32_t>& optim_crc) const;
+  void write_parts(const std::string& tmp, const WeightSource& weights,
+                   const OptimizerPart& optimizer, int rank, std::map<std::string, uint32_t>& model_crc,
+                   std::map<std::string, uint32_t>& optim_crc, std::string& error) const;
   void publish(const std::string& tmp, const std::string& final_dir,
                const nlohmann::json& meta) const;
 

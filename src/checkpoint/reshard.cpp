@@ -1,13 +1,13 @@
 #include "checkpoint/reshard.h"
 
-#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
-#include "fsutil.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
@@ -22,91 +22,121 @@ OptimizerLayout layout_of(const nlohmann::json& meta) {
              : OptimizerLayout::kPerParameter;
 }
 
-MomentReader::MomentReader(std::string dir, const nlohmann::json& meta,
-                           const std::vector<NamedTensor>& model)
-    : dir_(std::move(dir)), checksums_(meta["checksums"]) {
-  if (layout_of(meta) == OptimizerLayout::kFlatShards) {
-    for (const auto& s : meta.at("optimizer_shards"))
-      pieces_.push_back({s.at("file").get<std::string>(), "", s.at("offset").get<int64_t>(),
-                         s.at("length").get<int64_t>()});
-    step_file_ = pieces_.at(0).file;
-    step_name_ = "step";
-  } else {
-    int64_t off = 0;
-    for (const auto& p : model) {
-      pieces_.push_back({"optimizer.safetensors", p.name + ".", off, p.tensor.numel()});
-      off += p.tensor.numel();
-    }
-    step_file_ = "optimizer.safetensors";
-    step_name_ = model.at(0).name + ".step";
+CheckpointReader::CheckpointReader(std::string dir, const nlohmann::json& meta,
+                                   const std::vector<NamedTensor>& model)
+    : dir_(std::move(dir)), checksums_(meta.at("checksums")) {
+  int64_t off = 0;
+  for (const auto& p : model) {
+    weights_.push_back({"model.safetensors", p.name, off, p.tensor.numel()});
+    off += p.tensor.numel();
   }
+  for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
+    auto& pieces = moments_[kind];
+    if (layout_of(meta) == OptimizerLayout::kFlatShards) {
+      for (const auto& s : meta.at("optimizer_shards"))
+        pieces.push_back({s.at("file").get<std::string>(), kind, s.at("offset").get<int64_t>(),
+                          s.at("length").get<int64_t>()});
+    } else {
+      for (const auto& w : weights_)
+        pieces.push_back({"optimizer.safetensors", w.name + "." + kind, w.offset, w.length});
+    }
+  }
+  const auto& first = moments_.at("exp_avg").at(0);
+  step_file_ = first.file;
+  step_name_ = layout_of(meta) == OptimizerLayout::kFlatShards ? "step" : model.at(0).name + ".step";
 }
 
-void MomentReader::read(const std::string& kind, int64_t lo, int64_t hi, float* dst) {
+void CheckpointReader::fill(const std::vector<Piece>& pieces, const at::Tensor& target,
+                            int64_t lo, const std::string& what) {
+  const int64_t hi = lo + target.numel();
+  const at::Tensor flat = target.detach().view({-1});
+  c10::AutoGradMode no_grad(false);
   int64_t covered = 0;
-  for (const auto& p : pieces_) {
+  for (const auto& p : pieces) {
     const int64_t a = std::max(lo, p.offset), b = std::min(hi, p.offset + p.length);
     if (a >= b) continue;
-    const TensorView& v = view(p.file, p.prefix + kind, p.length);
-    std::memcpy(dst + (a - lo), reinterpret_cast<const float*>(v.data) + (a - p.offset),
-                sizeof(float) * static_cast<size_t>(b - a));
+    const TensorView& v = view(p.file, p.name, p.length);
+    // Straight from the mapped file into the target (a cast or a device copy where needed).
+    auto* src = const_cast<float*>(reinterpret_cast<const float*>(v.data)) + (a - p.offset);
+    flat.narrow(0, a - lo, b - a).copy_(at::from_blob(src, {b - a}, at::kFloat));
+    open(p.file).release(v);
     covered += b - a;
   }
   if (covered != hi - lo)
-    throw InputError(fmt::format("checkpoint '{}': its optimizer files cover {} of the {} "
-                                 "elements [{}, {}); a shard file is missing from meta.json",
-                                 dir_, covered, hi - lo, lo, hi));
+    throw InputError(fmt::format("checkpoint '{}': its files cover {} of the {} elements [{}, {}) "
+                                 "of the {}; a file is missing from meta.json",
+                                 dir_, covered, hi - lo, lo, hi, what));
 }
 
-void MomentReader::fill(const at::Tensor& target, const std::string& kind, int64_t lo) {
-  if (target.scalar_type() != at::kFloat || !target.is_contiguous())
-    throw std::invalid_argument("checkpoint: " + kind + " must be contiguous fp32");
-  at::Tensor staged = at::empty({target.numel()}, at::kFloat);
-  read(kind, lo, lo + target.numel(), staged.data_ptr<float>());
-  c10::AutoGradMode no_grad(false);
-  target.detach().view({-1}).copy_(staged);
+void CheckpointReader::fill_weights(const at::Tensor& target, int64_t lo) {
+  fill(weights_, target, lo, "weights");
 }
 
-double MomentReader::step() {
+void CheckpointReader::fill_moment(const at::Tensor& target, const std::string& kind, int64_t lo) {
+  fill(moments_.at(kind), target, lo, kind);
+}
+
+double CheckpointReader::step() {
   const TensorView& v = view(step_file_, step_name_, 1);
   return *reinterpret_cast<const float*>(v.data);
 }
 
-// The tensor `name` of `file`: fp32 with `numel` elements. A file is read once, and every
-// tensor in it is checked against its CRC32 then.
-const TensorView& MomentReader::view(const std::string& file, const std::string& name,
-                                     int64_t numel) {
-  const std::string path = dir_ + "/" + file;
+// A file is opened (mapped) once; every tensor in it is checked against meta.json's CRC32 then,
+// and a shard's own header must name the range meta.json gives it.
+const MappedSafetensors& CheckpointReader::open(const std::string& file) {
   auto [it, fresh] = files_.try_emplace(file);
-  if (fresh) {
-    it->second.bytes = fs::read_file(path);
-    it->second.views = decode_safetensors(it->second.bytes, path);
-    const nlohmann::json crcs =
-        checksums_.contains(file) ? checksums_[file] : nlohmann::json::object();
-    for (const auto& [tensor, v] : it->second.views)
-      verify_crc(v, crcs, path, tensor, /*required=*/true);
+  if (!fresh) return *it->second;
+  it->second = std::make_unique<MappedSafetensors>(dir_ + "/" + file);
+  const MappedSafetensors& f = *it->second;
+  const nlohmann::json crcs = checksums_.contains(file) ? checksums_[file] : nlohmann::json{};
+  for (const auto& [name, v] : f.tensors()) {
+    const std::string problem = crc_problem(v, crcs, name);
+    if (!problem.empty())
+      throw InputError(fmt::format("checkpoint file '{}': tensor '{}' {} (the checkpoint is "
+                                   "corrupt or was edited); resume from another step with "
+                                   "checkpoint.load_step",
+                                   f.path(), name, problem));
+    f.release(v);
   }
-  const TensorView& t = tensor_in(it->second.views, path, name);
+  for (const auto& p : moments_.at("exp_avg")) {
+    if (p.file != file || !f.metadata().count("lockstep_offset")) continue;
+    if (f.metadata().at("lockstep_offset") != std::to_string(p.offset) ||
+        f.metadata().at("lockstep_length") != std::to_string(p.length))
+      throw InputError(fmt::format(
+          "checkpoint file '{}' holds the range [{}, +{}) but meta.json gives it [{}, +{}) (the "
+          "checkpoint was edited or its files swapped); resume from another step",
+          f.path(), f.metadata().at("lockstep_offset"), f.metadata().at("lockstep_length"),
+          p.offset, p.length));
+  }
+  return f;
+}
+
+// The tensor `name` of `file`: fp32 with `numel` elements.
+const TensorView& CheckpointReader::view(const std::string& file, const std::string& name,
+                                         int64_t numel) {
+  const MappedSafetensors& f = open(file);
+  const TensorView& t = f.at(name);
   if (t.dtype != at::kFloat || static_cast<int64_t>(t.bytes / 4) != numel)
     throw InputError(fmt::format("checkpoint file '{}': tensor '{}' is {} with {} bytes, "
                                  "expected {} fp32 elements; the file does not belong to this "
-                                 "checkpoint",
-                                 path, name, c10::toString(t.dtype), t.bytes, numel));
+                                 "checkpoint or model",
+                                 f.path(), name, c10::toString(t.dtype), t.bytes, numel));
   return t;
 }
 
-void read_per_parameter(MomentReader& moments, const std::vector<NamedTensor>& model,
+void read_per_parameter(CheckpointReader& reader, const std::vector<NamedTensor>& model,
                         const std::vector<NamedTensor>& state) {
   auto find = [&](const std::string& name) -> const at::Tensor& {
     for (const auto& t : state)
       if (t.name == name) return t.tensor;
     throw std::invalid_argument("checkpoint: no optimizer tensor " + name);
   };
-  const double steps = moments.step();
+  const double steps = reader.step();
   c10::AutoGradMode no_grad(false);
   int64_t off = 0;
   for (const auto& p : model) {
-    for (const char* kind : {"exp_avg", "exp_avg_sq"}) moments.fill(find(p.name + "." + kind), kind, off);
+    for (const char* kind : {"exp_avg", "exp_avg_sq"})
+      reader.fill_moment(find(p.name + "." + kind), kind, off);
     find(p.name + ".step").fill_(steps);
     off += p.tensor.numel();
   }

@@ -1,14 +1,16 @@
-// Resharding: a checkpoint's AdamW moments read as ranges of the flat parameter space (the
-// parameters in model order, flattened), whatever files hold them: one optimizer.safetensors
-// with a tensor per parameter (written in ddp mode), or one optimizer-rank<R>.safetensors per
-// rank with a block each (sharded mode, at any world size). So a run resumes at another world
-// size or in the other data-parallel mode: each rank reads the ranges it needs.
+// Reading a checkpoint as ranges of the flat parameter space (the parameters in model order,
+// flattened), whatever files hold them: the fp32 weights from model.safetensors, the AdamW
+// moments from one optimizer.safetensors with a tensor per parameter (written in ddp mode) or
+// from one optimizer-rank<R>.safetensors per rank with a block each (sharded mode, any world
+// size). So a run resumes at another world size or in the other mode: each rank reads the
+// ranges it needs. Every file is checked when opened: each tensor's CRC32 against meta.json,
+// a shard's range against its own header.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <map>
-#include <set>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,41 +29,42 @@ enum class OptimizerLayout {
 const char* mode_name(OptimizerLayout layout);  // what meta.json calls it
 OptimizerLayout layout_of(const nlohmann::json& meta);
 
-class MomentReader {
+class CheckpointReader {
  public:
-  // `dir` is a step folder, `meta` its meta.json, `model` the parameters (their sizes lay out
-  // the flat space of a per-parameter file).
-  MomentReader(std::string dir, const nlohmann::json& meta,
-               const std::vector<NamedTensor>& model);
+  // `dir` is a step folder, `meta` its checked meta.json, `model` the parameters (their names and
+  // sizes lay out the flat space).
+  CheckpointReader(std::string dir, const nlohmann::json& meta,
+                   const std::vector<NamedTensor>& model);
 
-  // Copies elements [lo, lo + target.numel()) of moment `kind` ("exp_avg" | "exp_avg_sq")
-  // into `target` (contiguous fp32, any device). InputError when the files do not cover them.
-  void fill(const at::Tensor& target, const std::string& kind, int64_t lo);
+  // Copies elements [lo, lo + target.numel()) of the fp32 weights, or of moment `kind`
+  // ("exp_avg" | "exp_avg_sq"), into `target` (fp32, any device; cast when it is not fp32).
+  // InputError when the files do not cover them.
+  void fill_weights(const at::Tensor& target, int64_t lo);
+  void fill_moment(const at::Tensor& target, const std::string& kind, int64_t lo);
   // The AdamW step count the checkpoint holds.
   double step();
 
  private:
   struct Piece {
-    std::string file, prefix;
+    std::string file, name;  // the tensor holding [offset, offset + length)
     int64_t offset, length;
   };
-  struct File {
-    std::string bytes;
-    std::map<std::string, TensorView> views;
-  };
-  void read(const std::string& kind, int64_t lo, int64_t hi, float* dst);
+  void fill(const std::vector<Piece>& pieces, const at::Tensor& target, int64_t lo,
+            const std::string& what);
   const TensorView& view(const std::string& file, const std::string& name, int64_t numel);
+  const MappedSafetensors& open(const std::string& file);
 
   std::string dir_;
   nlohmann::json checksums_;
-  std::vector<Piece> pieces_;
+  std::vector<Piece> weights_;
+  std::map<std::string, std::vector<Piece>> moments_;  // by kind
   std::string step_file_, step_name_;
-  std::map<std::string, File> files_;
+  std::map<std::string, std::unique_ptr<MappedSafetensors>> files_;
 };
 
 // Fills per-parameter optimizer state (named "<param>.exp_avg", "<param>.exp_avg_sq",
-// "<param>.step", as AdamW::state() names it) from a checkpoint's moments.
-void read_per_parameter(MomentReader& moments, const std::vector<NamedTensor>& model,
+// "<param>.step", as AdamW::state() names it) from a checkpoint.
+void read_per_parameter(CheckpointReader& reader, const std::vector<NamedTensor>& model,
                         const std::vector<NamedTensor>& state);
 
 }  // namespace lockstep

@@ -55,6 +55,14 @@ class C10dComm final : public Comm {
     return finish(g_.pg->reduce_scatter(o, i), "reduce_scatter", {{sout, out}});
   }
   void barrier() override { wait(g_.pg->barrier(g_.barrier), "barrier"); }
+  double timeout() const override { return g_.timeout.count() / 1000.0; }
+  void set_timeout(double seconds) override {
+    g_.timeout = to_ms(seconds);  // what every wait here allows
+    try {
+      g_.pg->setTimeout(g_.timeout);  // Gloo's own deadline (a backend may not offer one)
+    } catch (const std::exception&) {
+    }
+  }
 
  private:
   bool at_home(const at::Tensor& t) const { return t.device().type() == g_.stage.type(); }

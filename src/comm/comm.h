@@ -68,6 +68,10 @@ class Comm {
   virtual void broadcast(at::Tensor& t, int root) = 0;  // in place
   virtual void barrier() = 0;
 
+  // The time each collective may take (seconds); a save or load raises it for its own.
+  virtual double timeout() const = 0;
+  virtual void set_timeout(double seconds) = 0;
+
   // Blocking forms of the asynchronous ones.
   void all_reduce_sum(at::Tensor& t) { all_reduce_sum_async(t)->wait(); }
   void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) {
@@ -90,6 +94,25 @@ class Comm {
     for (int r = 0; r < size(); ++r) blocks.push_back(in.narrow(0, r * n, n));
     reduce_scatter_sum(blocks, out);
   }
+};
+
+// Sets a collective timeout for the scope of the object (a null comm: nothing).
+class TimeoutScope {
+ public:
+  TimeoutScope(Comm* comm, double seconds) : comm_(comm) {
+    if (!comm_) return;
+    before_ = comm_->timeout();
+    comm_->set_timeout(seconds);
+  }
+  ~TimeoutScope() {
+    if (comm_) comm_->set_timeout(before_);
+  }
+  TimeoutScope(const TimeoutScope&) = delete;
+  TimeoutScope& operator=(const TimeoutScope&) = delete;
+
+ private:
+  Comm* comm_;
+  double before_ = 0;
 };
 
 // Every rank's `mine` (equally long on all ranks), in rank order: one all-gather of doubles

@@ -126,6 +126,8 @@ class MpiComm final : public Comm {
       back(hout, out);
     });
   }
+  double timeout() const override { return timeout_; }
+  void set_timeout(double seconds) override { timeout_ = seconds; }
   void barrier() override {
     MPI_Request req;
     MPI_Ibarrier(comm_, &req);

@@ -32,6 +32,13 @@ double peak_resident_mib() {
   return 0;
 }
 
+bool reset_peak_resident() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return static_cast<bool>(out);
+}
+
 std::string format_eta(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   auto s = static_cast<int64_t>(seconds + 0.5);

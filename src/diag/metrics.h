@@ -16,6 +16,8 @@ namespace lockstep {
 // This process's resident memory now and at its peak, in MiB (Linux /proc; 0 elsewhere).
 double resident_mib();
 double peak_resident_mib();
+// Starts a new peak (Linux: /proc/self/clear_refs); false where the kernel does not allow it.
+bool reset_peak_resident();
 
 // "m:ss" or "h:mm:ss"; "?" for a nonfinite or negative time.
 std::string format_eta(double seconds);

@@ -67,14 +67,15 @@ class DataParallel {
   virtual void apply(double lr, const UpdateControl& control) = 0;
   void zero_grad() { flat_grad_.zero_(); }
 
-  // Checkpoints hold the fp32 weights (the masters), named like the parameters. weights() is
-  // what a save writes (sharded mixed precision: all-gathered from the master blocks, so every
-  // rank calls it); weights_to_load() what a load fills, replicate_parameters() then spreads.
-  virtual std::vector<NamedTensor> weights() = 0;
-  virtual std::vector<NamedTensor> weights_to_load() = 0;
-  // This rank's part of the optimizer, and reading any checkpoint's moments.
+  // Checkpoints hold the fp32 weights (the masters), named like the parameters: what a save
+  // writes (in sharded mixed precision gathered piece by piece from the master blocks while
+  // rank 0 writes them, so no rank holds a second copy of the model), and this rank's part of
+  // the optimizer.
+  virtual WeightSource weights() = 0;
   virtual OptimizerPart optimizer_part(int64_t optimizer_steps) = 0;
-  virtual void load_optimizer(MomentReader& moments) = 0;
+  // Reads this rank's weights and moments from any checkpoint (any world size, either mode);
+  // replicate_parameters() then spreads them.
+  virtual void load(CheckpointReader& reader) = 0;
   // The optimizer state every rank holds a replica of (ddp: all; sharded: none).
   virtual std::vector<NamedTensor> replicated_optimizer_state() const = 0;
 

@@ -37,13 +37,17 @@ class Ddp final : public DataParallel {
     if (master_.defined() && !control.skip) flat_param_.copy_(master_);  // the P-dtype copies
   }
 
-  std::vector<NamedTensor> weights() override { return master_.defined() ? masters_ : params_; }
-  std::vector<NamedTensor> weights_to_load() override { return weights(); }
+  WeightSource weights() override { return {master_.defined() ? masters_ : params_, {}}; }
   OptimizerPart optimizer_part(int64_t) override {
     return {OptimizerLayout::kPerParameter, optimizer_.state()};
   }
-  void load_optimizer(MomentReader& moments) override {
-    read_per_parameter(moments, params_, optimizer_.state());
+  void load(CheckpointReader& reader) override {
+    int64_t off = 0;
+    for (const auto& w : master_.defined() ? masters_ : params_) {
+      reader.fill_weights(w.tensor, off);
+      off += w.tensor.numel();
+    }
+    read_per_parameter(reader, params_, optimizer_.state());
   }
   std::vector<NamedTensor> replicated_optimizer_state() const override {
     auto state = optimizer_.state();

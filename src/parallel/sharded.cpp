@@ -3,6 +3,7 @@
 // every rank's parameters (views into one flat parameter buffer). Collectives run in buckets,
 // two in flight.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <fmt/core.h>
@@ -45,13 +46,11 @@ class Sharded final : public DataParallel {
   bool fused_optimizer() const override { return optimizer_.fused(); }
 
   void replicate_parameters() override {
-    if (param_dtype_ == at::kFloat) {
+    // Fresh in fp32: rank 0's weights for all, the masters follow them. Loaded, or in mixed
+    // precision: the masters (from the checkpoint, or the fp32 initialisation) are the truth.
+    if (param_dtype_ == at::kFloat && !loaded_) {
       DataParallel::replicate_parameters();
-      master_.copy_(flat_param_.narrow(0, rank_ * block_, block_));  // the master follows
-    } else if (staging_.defined()) {  // loaded: the masters come from the fp32 checkpoint
-      if (comm_) comm_->broadcast(staging_, 0);
-      master_.copy_(staging_.narrow(0, rank_ * block_, block_));
-      staging_ = at::Tensor();
+      master_.copy_(flat_param_.narrow(0, rank_ * block_, block_));
     }
     gather_parameters();
   }
@@ -74,21 +73,19 @@ class Sharded final : public DataParallel {
   }
 
   // The fp32 weights: the parameters themselves when they are fp32 (the gathered masters, bit
-  // for bit); else every rank's master block, all-gathered.
-  std::vector<NamedTensor> weights() override {
-    if (param_dtype_ == at::kFloat) return params_;
-    at::Tensor full = at::empty({world_, block_}, master_.options());
-    if (comm_)
-      comm_->all_gather(master_, full);
-    else
-      full.select(0, 0).copy_(master_);
-    return views_of(full.view({-1}));
+  // for bit); else each piece broadcast by the rank whose master block holds it.
+  WeightSource weights() override {
+    if (param_dtype_ == at::kFloat) return {params_, {}};
+    return {params_, [this](int64_t lo, int64_t n, float* dst) { gather_weights(lo, n, dst); }};
   }
-  std::vector<NamedTensor> weights_to_load() override {
-    if (param_dtype_ == at::kFloat) return params_;
-    staging_ = at::empty({world_ * block_}, master_.options());
-    staging_.narrow(0, total_, world_ * block_ - total_).zero_();
-    return views_of(staging_);
+  void load(CheckpointReader& reader) override {
+    // Only this rank's block: the masters (fp32 whatever the compute dtype), then the moments.
+    const int64_t n = std::min(block_, std::max<int64_t>(0, total_ - rank_ * block_));
+    if (n > 0) reader.fill_weights(master_.narrow(0, 0, n), rank_ * block_);
+    loaded_ = true;
+    reader.fill_moment(exp_avg_, "exp_avg", shard_offset_);
+    reader.fill_moment(exp_avg_sq_, "exp_avg_sq", shard_offset_);
+    optimizer_.set_step_count(reader.step());
   }
 
   OptimizerPart optimizer_part(int64_t optimizer_steps) override {
@@ -98,11 +95,6 @@ class Sharded final : public DataParallel {
             {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"step", shard_steps_}},
             shard_offset_,
             shard_length_};
-  }
-  void load_optimizer(MomentReader& moments) override {
-    moments.fill(exp_avg_, "exp_avg", shard_offset_);
-    moments.fill(exp_avg_sq_, "exp_avg_sq", shard_offset_);
-    optimizer_.set_step_count(moments.step());
   }
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
 
@@ -137,6 +129,23 @@ class Sharded final : public DataParallel {
       off += n;
     }
     return out;
+  }
+
+  // Elements [lo, lo + n) of the flat fp32 weights into dst on every rank: piece by piece,
+  // each broadcast by the rank whose master block holds it.
+  void gather_weights(int64_t lo, int64_t n, float* dst) {
+    for (int64_t done = 0; done < n;) {
+      const int64_t at = lo + done, owner = at / block_;
+      const int64_t take = std::min(n - done, (owner + 1) * block_ - at);
+      at::Tensor piece = master_.narrow(0, at - owner * block_, take);
+      if (comm_) {
+        at::Tensor buf = owner == rank_ ? piece.clone() : at::empty({take}, master_.options());
+        comm_->broadcast(buf, static_cast<int>(owner));
+        piece = buf;
+      }
+      at::from_blob(dst + done, {take}, at::kFloat).copy_(piece);
+      done += take;
+    }
   }
 
   // This rank's master block -> every rank's parameters: one all-gather, in buckets, of the
@@ -174,7 +183,8 @@ class Sharded final : public DataParallel {
   at::Tensor param_block_;     // P != fp32: the master block cast for the all-gather
   at::Tensor grad_block_;      // R: the reduce-scatter's result, before the division
   at::Tensor opt_grad_block_;  // R != fp32: this rank's synced block in fp32
-  at::Tensor exp_avg_, exp_avg_sq_, staging_;
+  at::Tensor exp_avg_, exp_avg_sq_;
+  bool loaded_ = false;  // the masters came from a checkpoint
   at::Tensor shard_steps_ = at::zeros({}, at::kFloat);
   AdamW optimizer_;
 };
