@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 #include <fmt/core.h>
 
 #include <cstdio>
@@ -250,6 +251,13 @@ int run(Cli& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // LibTorch logs c10d's retries and timeouts with a C++ backtrace each (41 lines for a store
+  // that cannot be reached): lockstep reports them itself, in one line. TORCH_CPP_LOG_LEVEL
+  // set by the user keeps LibTorch's own level (for debugging).
+  if (!std::getenv("TORCH_CPP_LOG_LEVEL")) {
+    FLAGS_caffe2_log_level = c10::GLOG_FATAL;
+    c10::UpdateLoggingLevelsFromFlags();
+  }
   // Nothing lockstep creates (run directories, logs, metrics, checkpoints) is writable by group
   // or others, whatever umask the launcher left.
   ::umask(::umask(0) | 022);

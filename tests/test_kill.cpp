@@ -146,7 +146,10 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
     const int steps = 2 + static_cast<int>(rng() % 6), delay = static_cast<int>(rng() % 40);
     SCOPED_TRACE("kill rank " + std::to_string(victim) + " after " + std::to_string(steps) +
                  " steps + " + std::to_string(delay) + " ms");
-    const KillResult r = kill_one_rank(l, world, dir / "run", victim, steps, delay);
+    const char* mode = attempt == 0 ? "ddp" : "sharded";  // one kill in each mode
+    SCOPED_TRACE(mode);
+    const KillResult r = kill_one_rank(l, world, dir / "run", victim, steps, delay, SIGKILL,
+                                       kTimeout, std::string("--parallelism.mode ") + mode);
     ASSERT_GT(r.seconds_to_exit, 0) << r.output;
     std::printf("killed rank %d after %d steps + %d ms: the job exited %.2f s later\n", victim,
                 steps, delay, r.seconds_to_exit);

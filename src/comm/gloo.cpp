@@ -13,7 +13,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "comm/c10d.h"
@@ -107,16 +109,18 @@ int listen_socket(const std::string& host, int port) {
     ::close(fd);
   }
   ::freeaddrinfo(found);
-  throw Error(ExitCode::kFailure,
-              fmt::format("the rendezvous store cannot listen on {}:{}: {}; choose another "
-                          "MASTER_PORT (--master-port) or comm.store_listen_address",
-                          host, port, std::strerror(err)));
+  throw ConfigError(fmt::format("the rendezvous store cannot listen on {}:{}: {}; choose another "
+                                "MASTER_PORT (--master-port) or comm.store_listen_address",
+                                host, port, std::strerror(err)));
 }
 
 }  // namespace
 
-std::unique_ptr<Comm> make_c10d_comm(const RankInfo& ranks, const CommOptions& o) {
-  check_backend(o);
+std::unique_ptr<Comm> make_c10d_comm(const RankInfo& ranks, const CommOptions& options) {
+  check_backend(options);
+  // The whole rendezvous (the store, then the process group) within init_timeout_seconds.
+  const auto start = std::chrono::steady_clock::now();
+  CommOptions o = options;
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(ranks.master_port);
   so.isServer = ranks.rank == 0 && !ranks.use_agent_store;
@@ -137,6 +141,9 @@ std::unique_ptr<Comm> make_c10d_comm(const RankInfo& ranks, const CommOptions& o
   }
   if (!ranks.store_prefix().empty())
     store = c10::make_intrusive<c10d::PrefixStore>(ranks.store_prefix(), store);
+  const double spent =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  o.init_timeout_seconds = std::max(1.0, o.init_timeout_seconds - spent);
   return make_backend(store, ranks.rank, ranks.world_size, ranks, o);
 }
 

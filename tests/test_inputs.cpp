@@ -1,0 +1,156 @@
+// Bad input and environment get one clear line and a non-zero exit, never a hang, a crash or a
+// silent default (issue 16): unreadable configs, FIFOs, directories, a data file truncated
+// while training, an unreachable or busy rendezvous, tiny buckets; exit codes through the
+// launchers; one rank prefix per line and no colour codes in captured output.
+#include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "test_util.h"
+
+using namespace lockstep;
+using test::CliRun;
+using test::Launcher;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string job(const std::string& dir, int steps, const std::string& extra = "") {
+  return "train --job.dump_folder " + dir + " --training.steps " + std::to_string(steps) +
+         " --model.dim 32 --model.n_heads 2 --model.n_layers 1 --model.max_seq_len 32"
+         " --training.seq_len 32 --training.local_batch_size 4 --training.threads 1"
+         " --checkpoint.enable false --metrics.log_freq 1 " + extra;
+}
+
+int lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+
+// `lockstep ARGS` with a deadline: a hang shows as exit 124.
+CliRun run_within(int seconds, const std::string& args, const std::string& env = "") {
+  return test::capture("env " + env + " timeout " + std::to_string(seconds) + " " +
+                       LOCKSTEP_BIN + " " + args);
+}
+
+}  // namespace
+
+TEST(Inputs, UnreadableConfigFifoAndDirectoryAreOneLineErrors) {
+  test::TempDir dir;
+  // A read error part-way is an error, not an empty file and the defaults.
+  CliRun r = run_within(20, "train --config /proc/self/mem");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("cannot read '/proc/self/mem'"), std::string::npos) << r.out;
+  EXPECT_EQ(lines(r.out), 1) << r.out;
+  // A FIFO with no writer never blocks: config, data, exclude file.
+  const std::string fifo = dir / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  r = run_within(20, "train --config " + fifo);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("not a regular file"), std::string::npos) << r.out;
+  r = run_within(20, job(dir / "a", 2, "--data.source file --data.path " + fifo));
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("is not a regular file"), std::string::npos) << r.out;
+  r = run_within(20, job(dir / "b", 2, "--data.exclude_ids_file " + fifo));
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("not a regular file"), std::string::npos) << r.out;
+  // A directory as the exclude file is not an empty list.
+  r = run_within(20, job(dir / "c", 2, "--data.exclude_ids_file " + dir.path()));
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("not a regular file"), std::string::npos) << r.out;
+  // A newline in a path cannot forge a second error line.
+  r = run_within(20, "train --config '" + dir / "x\nlockstep: error: forged" + "'");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_EQ(lines(r.out), 1) << r.out;
+  r = run_within(20, job(dir / "d", 2, "--parallelism.bucket_mb 1e-7"));
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("'parallelism.bucket_mb'"), std::string::npos) << r.out;
+}
+
+// A data file truncated while the run reads it: exit 3 naming it (no SIGBUS).
+TEST(Inputs, ADataFileTruncatedWhileTrainingIsNamed) {
+  test::TempDir dir;
+  const std::string data = dir / "text.txt";
+  {
+    std::ofstream out(data);
+    for (int i = 0; i < 40000; ++i) out << "the quick brown fox jumps over the lazy dog. ";
+  }
+  const std::string cmd = std::string(LOCKSTEP_BIN) + " " +
+                          job(dir / "run", 100000, "--data.source file --data.path " + data) +
+                          " > " + dir / "out" + " 2>&1; echo $? > " + dir / "rc";
+  std::thread runner([&] { std::system(cmd.c_str()); });
+  for (int i = 0; i < 500 && !std::filesystem::exists(dir / "run/metrics.jsonl"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  std::filesystem::resize_file(data, 100);
+  runner.join();
+  const std::string out = test::read_text(dir / "out");
+  EXPECT_EQ(std::stoi(test::read_text(dir / "rc")), 3) << out;
+  EXPECT_NE(out.find("lockstep: error: data file '" + data + "' could not be read"),
+            std::string::npos)
+      << out;
+}
+
+TEST(Inputs, RendezvousProblemsAreOneLineAndBounded) {
+  test::TempDir dir;
+  // No store at all: one line (no LibTorch backtrace), within the init timeout and a little.
+  const int port = test::free_port();
+  const auto start = Clock::now();
+  CliRun r = run_within(60, job(dir / "a", 2, "--comm.init_timeout_seconds 3"),
+                        "RANK=1 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                            std::to_string(port));
+  const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_EQ(lines(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find("cannot reach the rendezvous store"), std::string::npos) << r.out;
+  EXPECT_LT(secs, 3 + 5) << r.out;
+  // Rank 0 alone: the rendezvous ends within its timeout.
+  const auto alone = Clock::now();
+  r = run_within(60, job(dir / "b", 2, "--comm.init_timeout_seconds 3"),
+                 "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port));
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_EQ(lines(r.out), 1) << r.out;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - alone).count(), 3 + 5) << r.out;
+  // The port is taken: a usage error (exit 2) naming the fix.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ::listen(fd, 1);
+  r = run_within(60, job(dir / "c", 2),
+                 "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port));
+  ::close(fd);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("choose another MASTER_PORT"), std::string::npos) << r.out;
+  // A bad data file fails before the rendezvous: the launcher stops the others at once.
+  const auto t0 = Clock::now();
+  r = test::run_on_ranks(2, job(dir / "d", 2, "--data.source file --data.path " + dir / "none.txt"),
+                         Launcher::kLockstepRun);
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("none.txt"), std::string::npos) << r.out;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 20) << r.out;
+}
+
+// An abort's exit code (4) through lockstep-run and mpirun; one rank prefix per line under
+// lockstep-run; no ANSI colour codes under mpirun (its pseudo-terminals are not the user's).
+TEST(Inputs, ExitCodesAndCleanOutputThroughLaunchers) {
+  test::TempDir dir;
+  const std::string nan = "--fault.inject nan_grad@3:1";
+  CliRun r = test::run_on_ranks(2, job(dir / "a", 6, nan), Launcher::kLockstepRun);
+  EXPECT_EQ(r.code, 4) << r.out;
+  EXPECT_EQ(r.out.find("] [rank"), std::string::npos) << "the rank twice in a line\n" << r.out;
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\[rank 1\] \[[0-9-]+ [0-9:.]+\] warning)")))
+      << r.out;
+  r = test::run_on_ranks(2, job(dir / "b", 6, nan), Launcher::kMpirunGloo);
+  EXPECT_EQ(r.code, 4) << r.out;
+  EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << "colour codes under mpirun\n" << r.out;
+}
