@@ -201,8 +201,12 @@ void resume(Job& j) {
             j.model->num_parameters(), j.device.str(), at::get_num_threads(),
             j.source->describe());
   // Every rank starts from rank 0's weights (identical by construction: same seed, same
-  // checkpoint; the broadcast makes it so whatever happened).
-  j.dp->replicate_parameters();
+  // checkpoint; the broadcast makes it so whatever happened). Moving a whole model may take
+  // longer than a training collective: it waits as long as a checkpoint's.
+  {
+    const TimeoutScope timeout(j.comm.get(), j.config.checkpoint.timeout_seconds);
+    j.dp->replicate_parameters();
+  }
   log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB)", resident_mib(),
             peak_resident_mib());
   accept(j);
