@@ -62,8 +62,8 @@ TEST(RunFolder, ASecondRunIsRefusedWhileTheFirstHoldsIt) {
       << third.out;
 }
 
-// A start that is rejected writes nothing into the folder: no config.toml over the run's, no
-// logs; a fresh folder stays without logs/ and config.toml.
+// A start that is rejected (another model, a fault on a rank that does not exist, no data)
+// writes nothing into the folder: no config.toml over the run's, no logs; a fresh folder stays without logs/ and config.toml.
 TEST(RunFolder, ARejectedStartWritesNothing) {
   test::TempDir dir;
   const std::string run = dir / "run";
@@ -72,6 +72,11 @@ TEST(RunFolder, ARejectedStartWritesNothing) {
   const std::string log_before = test::read_text(run + "/logs/rank0.log");
   CliRun r = test::run_lockstep(job(run, 8, "--model.dim 64"));  // another model: exit 3
   EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_EQ(test::read_text(run + "/config.toml"), config_before);
+  EXPECT_EQ(test::read_text(run + "/logs/rank0.log"), log_before);
+  r = test::run_lockstep(job(run, 8, "--fault.inject nan_grad@6:3"));  // rank 3 of a 1-rank run
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("fault.inject"), std::string::npos) << r.out;
   EXPECT_EQ(test::read_text(run + "/config.toml"), config_before);
   EXPECT_EQ(test::read_text(run + "/logs/rank0.log"), log_before);
   const std::string fresh = dir / "fresh";
