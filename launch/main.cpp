@@ -18,6 +18,8 @@
 #include "lockstep/config.h"
 #include "lockstep/diag.h"
 #include "lockstep/error.h"
+#include "lockstep/model_size.h"
+#include "lockstep/tools.h"
 #include "lockstep/train.h"
 #include "lockstep/version.h"
 
@@ -58,12 +60,17 @@ struct Cli {
   CLI::App app{"lockstep: distributed training that skips bad gradient updates in lockstep",
                "lockstep"};
   CLI::App *train, *show, *check, *keys, *faults, *info, *gradcheck, *comm, *diag, *report,
-      *version;
+      *version, *shard, *sample, *exporter, *generate;
   std::string train_config, file, ckpt_dir, diag_dir, quarantine, report_dir, report_out;
   int64_t fault_ranks = 1;
   bool json = false;
   lockstep::GradcheckBenchOptions gradcheck_options;
   lockstep::CommBenchOptions comm_options;
+  lockstep::ShardOptions shard_options;
+  lockstep::GenerateOptions generate_options;
+  std::vector<int64_t> sample_ids;
+  std::string export_format = "hf", export_out;
+  int64_t export_step = -1;
 };
 
 void add_train_and_config(Cli& c) {
@@ -152,6 +159,64 @@ void add_bench(Cli& c) {
   c.comm->add_flag("--json", o.json, "One JSON object per measurement");
 }
 
+// The tools around a run: data shards and samples, export, generation.
+void add_model_tools(Cli& c) {
+  auto* data = c.app.add_subcommand("data", "Token shards and samples");
+  data->require_subcommand(1);
+  auto& s = c.shard_options;
+  c.shard = data->add_subcommand(
+      "shard", "Write a text file as byte-level llm.c shards: OUT/val_000000.bin, "
+               "OUT/train_000001.bin, ... (no --from: the embedded synthetic corpus)");
+  c.shard->add_option("out", s.out, "A new or empty folder")->required();
+  c.shard->add_option("--from", s.input, "The text file")->check(CLI::ExistingFile);
+  c.shard->add_option("--val-fraction", s.val_fraction, "Share of the text (its start) in "
+                      "val_000000.bin")->capture_default_str();
+  c.shard->add_option("--shard-tokens", s.shard_tokens, "Tokens per train shard")->capture_default_str();
+  c.shard->add_option("--synthetic-tokens", s.synthetic_tokens, "Size of the synthetic corpus")
+      ->capture_default_str();
+  c.sample = data->add_subcommand(
+      "show", "Where sample ids of a run's data come from (file, offset) and their tokens and "
+              "text: data show RUN_DIR ID...");
+  c.sample->add_option("run_dir", c.diag_dir, "The run directory (job.dump_folder)")->required();
+  c.sample->add_option("ids", c.sample_ids, "Sample ids (as `lockstep diag` names them)")->required();
+  c.sample->add_flag("--json", c.json, "Print JSON");
+  c.exporter = c.app.add_subcommand(
+      "export", "Write a checkpoint as a Hugging Face folder (config.json, model.safetensors) "
+                "that transformers loads: export RUN_DIR OUT [--step N]");
+  c.exporter->add_option("run_dir", c.ckpt_dir, "A run, checkpoint or step-N folder")->required();
+  c.exporter->add_option("out", c.export_out, "The folder to create")->required();
+  c.exporter->add_option("--step", c.export_step, "The checkpoint's step (default: the latest)");
+  c.exporter->add_option("--format", c.export_format, "hf (Hugging Face transformers)")
+      ->capture_default_str();
+  auto& g = c.generate_options;
+  c.generate = c.app.add_subcommand(
+      "generate", "Sample text from a checkpoint of a byte-level model: generate RUN_DIR "
+                  "--prompt TEXT");
+  c.generate->add_option("run_dir", g.path, "A run, checkpoint or step-N folder")->required();
+  c.generate->add_option("--step", g.step, "The checkpoint's step (default: the latest)");
+  c.generate->add_option("--prompt", g.prompt, "The text to continue")->capture_default_str();
+  c.generate->add_option("--tokens", g.tokens, "Bytes to sample")->capture_default_str();
+  c.generate->add_option("--temperature", g.temperature, "0 = greedy")->capture_default_str();
+  c.generate->add_option("--top-k", g.top_k, "Sample among the k likeliest (0 = all)")
+      ->capture_default_str();
+  c.generate->add_option("--seed", g.seed, "Sampling seed")->capture_default_str();
+}
+
+int model_tool(const Cli& c) {
+  if (*c.shard) {
+    std::cout << lockstep::write_text_shards(c.shard_options);
+  } else if (*c.sample) {
+    auto samples = lockstep::show_samples(c.diag_dir, c.sample_ids);
+    std::cout << (c.json ? samples.dump(2) + "\n" : lockstep::format_samples(samples));
+  } else if (*c.exporter) {
+    std::cout << lockstep::export_checkpoint(c.ckpt_dir, c.export_step, c.export_format,
+                                             c.export_out) << "\n";
+  } else if (*c.generate) {
+    std::cout << lockstep::generate_text(c.generate_options) << "\n";
+  }
+  return 0;
+}
+
 void print_checkpoint_info(const nlohmann::json& info) {
   fmt::print("checkpoint {}\n", info["path"].get<std::string>());
   fmt::print("  step {}  optimizer_steps {}  data_position {}  tokens_seen {}\n",
@@ -217,8 +282,8 @@ int config_command(Cli& c) {
     if (file.empty())
       throw lockstep::ConfigError("config check needs a file: lockstep config check FILE "
                                   "[--section.key value ...]");
-    load(file, rest);
-    fmt::print("{}: ok\n", file);
+    const lockstep::Config config = load(file, rest);
+    fmt::print("{}: ok\n{}", file, lockstep::describe_model_size(config));
   } else if (*c.keys) {
     std::cout << lockstep::config_reference_markdown();
   } else if (*c.faults) {
@@ -244,6 +309,7 @@ int run(Cli& c) {
   if (*c.report)
     return lockstep::render_report(c.report_dir,
                                    c.report_out.empty() ? c.report_dir + "/report.png" : c.report_out);
+  if (*c.shard || *c.sample || *c.exporter || *c.generate) return model_tool(c);
   if (*c.version) std::cout << lockstep::version_report();
   return 0;
 }
@@ -267,6 +333,7 @@ int main(int argc, char** argv) {
   add_train_and_config(c);
   add_tools(c);
   add_bench(c);
+  add_model_tools(c);
   try {
     c.app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

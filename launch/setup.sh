@@ -65,17 +65,24 @@ else
   TORCH_PREFIX=$(torch_ok "$LOCKSTEP_ROOT/.venv/bin/python") || die "torch in .venv is not usable"
 fi
 
-# --- Python tools in .venv: matplotlib (`lockstep report`), lizard (launch/lint.sh) -----
+# --- Python tools in .venv: matplotlib (`lockstep report`), lizard (launch/lint.sh),
+# transformers (the export test) -----
 if [[ ! -x "$LOCKSTEP_ROOT/.venv/bin/python" ]]; then
   say "creating .venv for lockstep's Python tools"
   python3 -m venv "$LOCKSTEP_ROOT/.venv" || die "python3 -m venv failed; install python3-venv"
 fi
-for tool in matplotlib lizard; do
+# torch and transformers: tests/hf_reference.py loads `lockstep export` folders with them.
+if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import torch" 2>/dev/null; then
+  say "installing torch==$TORCH_PIN into .venv (for the transformers reference test)"
+  "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_PIN" 2>&1 \
+    | { grep -v "^WARNING: Location" || true; } || die "pip install torch==$TORCH_PIN failed"
+fi
+for tool in matplotlib lizard transformers; do
   if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import $tool" 2>/dev/null; then
     say "installing $tool into .venv"
     "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "$tool" 2>&1 \
       | { grep -v "^WARNING: Location" || true; } \
-      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard"
+      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard, the export test transformers"
   fi
 done
 

@@ -32,14 +32,14 @@ namespace lockstep {
     static constexpr auto kNames = std::to_array<std::string_view>({__VA_ARGS__}); \
     return kNames;                                                              \
   }
-LOCKSTEP_CHOICES(ModelName, "gpt")
+LOCKSTEP_CHOICES(ModelName, "gpt", "llama")
 LOCKSTEP_CHOICES(DeviceKind, "auto", "cpu", "cuda")
 LOCKSTEP_CHOICES(OptimizerName, "AdamW")
 LOCKSTEP_CHOICES(AdamWImpl, "fused", "for-loop")
 LOCKSTEP_CHOICES(DecayType, "linear", "cosine", "constant")
 LOCKSTEP_CHOICES(OnSkip, "advance", "hold")
 LOCKSTEP_CHOICES(DataSource, "synthetic", "file")
-LOCKSTEP_CHOICES(TokenFormat, "auto", "bytes", "uint16")
+LOCKSTEP_CHOICES(TokenFormat, "auto", "bytes", "uint16", "uint32", "llmc")
 LOCKSTEP_CHOICES(Backend, "auto", "gloo", "mpi", "nccl")
 LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded")
 LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
@@ -69,9 +69,10 @@ bool valid_utf8(std::string_view s) {
   return true;
 }
 
-using Value = std::variant<int64_t, double, bool, std::string>;
+using Strings = std::vector<std::string>;
+using Value = std::variant<int64_t, double, bool, std::string, Strings>;
 
-enum class Type { kInt, kFloat, kBool, kString, kChoice };
+enum class Type { kInt, kFloat, kBool, kString, kChoice, kList };
 
 struct Field {
   std::string section;
@@ -131,6 +132,15 @@ Field string_field(const char* section, const char* key, Section<S> sec, std::st
                [=](Config& c, const Value& v) { (c.*sec).*m = std::get<std::string>(v); }};
 }
 
+// A list of strings: a TOML array (or one string); comma-separated on the command line.
+template <typename S>
+Field list_field(const char* section, const char* key, Section<S> sec, Strings S::*m,
+                 const char* help) {
+  return Field{section, key, Type::kList, help,
+               [=](const Config& c) { return Value{(c.*sec).*m}; },
+               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<Strings>(v); }};
+}
+
 // A choice: the file spells it as one of choice_names<E>(), the struct holds the enum.
 template <typename S, typename E>
 Field choice_field(const char* section, const char* key, Section<S> sec, E S::*m,
@@ -160,7 +170,9 @@ void job_and_model_fields(std::vector<Field>& t) {
                            "refuse (exit 2), archive them (and its logs, metrics, diagnostics) "
                            "into RUN_DIR/archive/<time>/, or overwrite (delete) them"));
   t.push_back(choice_field("model", "name", &C::model, &ModelConfig::name,
-                           "model family: a GPT-style decoder-only transformer"));
+                           "gpt = GPT-2 style (LayerNorm, GELU MLP, learned positions, tied "
+                           "head); llama = Llama 3 style as torchtitan builds it (RMSNorm, "
+                           "rotary positions, SwiGLU, grouped-query attention, untied head)"));
   t.push_back(int_field("model", "vocab_size", &C::model, &ModelConfig::vocab_size, 2, 1 << 24,
                         "vocabulary size (256 for byte-level data)"));
   t.push_back(int_field("model", "dim", &C::model, &ModelConfig::dim, 1, 1 << 16,
@@ -170,15 +182,27 @@ void job_and_model_fields(std::vector<Field>& t) {
   t.push_back(int_field("model", "n_heads", &C::model, &ModelConfig::n_heads, 1, 1024,
                         "attention heads per block"));
   t.push_back(int_field("model", "mlp_ratio", &C::model, &ModelConfig::mlp_ratio, 1, 64,
-                        "MLP hidden width = mlp_ratio * dim"));
+                        "gpt: MLP hidden width = mlp_ratio * dim"));
+  t.push_back(int_field("model", "n_kv_heads", &C::model, &ModelConfig::n_kv_heads, 0, 1024,
+                        "llama: key/value heads (grouped-query attention), dividing n_heads; "
+                        "0 = n_heads"));
+  t.push_back(int_field("model", "multiple_of", &C::model, &ModelConfig::multiple_of, 1, 1 << 20,
+                        "llama: the feed-forward width (2/3 of 4 x dim) is rounded up to a "
+                        "multiple of this"));
+  t.push_back(float_field("model", "ffn_dim_multiplier", &C::model,
+                          &ModelConfig::ffn_dim_multiplier, 0, false, 64,
+                          "llama: multiplies the feed-forward width before rounding; 0 = none"));
+  t.push_back(float_field("model", "rope_theta", &C::model, &ModelConfig::rope_theta, 0, true,
+                          1e12, "llama: base of the rotary position embedding"));
   t.push_back(int_field("model", "max_seq_len", &C::model, &ModelConfig::max_seq_len, 1, 1 << 20,
                         "positions the model can embed; >= training.seq_len"));
   t.push_back(float_field("model", "norm_eps", &C::model, &ModelConfig::norm_eps, 0, true, 1,
-                          "LayerNorm epsilon"));
+                          "LayerNorm (gpt) / RMSNorm (llama) epsilon"));
   t.push_back(float_field("model", "dropout", &C::model, &ModelConfig::dropout, 0, false, 0.999,
                           "dropout probability on attention and residual paths"));
   t.push_back(float_field("model", "init_std", &C::model, &ModelConfig::init_std, 0, true, 10,
-                          "std of the normal weight initialisation"));
+                          "std of the weight initialisation (llama: of the input projections; "
+                          "outputs scaled by depth as torchtitan does)"));
 }
 
 void training_fields(std::vector<Field>& t) {
@@ -285,18 +309,42 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
                           "write for long)"));
   t.push_back(int_field("metrics", "log_freq", &C::metrics, &MetricsConfig::log_freq, 1, kMaxInt,
                         "progress line and metrics record every this many steps"));
+  t.push_back(float_field("metrics", "peak_tflops", &C::metrics, &MetricsConfig::peak_tflops, 0,
+                          false, 1e6,
+                          "peak TFLOP/s of one device in the compute dtype, for MFU; 0 = from "
+                          "the table of known GPUs (CPUs: no MFU unless given)"));
   t.push_back(choice_field("data", "source", &C::data, &D::source,
                            "synthetic = embedded generated corpus; file = data.path"));
-  t.push_back(string_field("data", "path", &C::data, &D::path,
-                           "token file for source = \"file\""));
+  t.push_back(list_field("data", "path", &C::data, &D::path,
+                         "token files for source = \"file\": paths and glob patterns (\"shards/"
+                         "train_*.bin\"), the shards in this order"));
   t.push_back(choice_field("data", "format", &C::data, &D::format,
-                           "bytes = one token per byte; uint16 = little-endian ids; "
-                           "auto = uint16 for .bin, else bytes"));
+                           "llmc = llm.c shards (header; uint16 or uint32 tokens); uint16, "
+                           "uint32 = headerless little-endian ids; bytes = one token per byte; "
+                           "auto = llmc where the file has llm.c's header, other .bin uint16, "
+                           "else bytes"));
   t.push_back(int_field("data", "synthetic_tokens", &C::data, &D::synthetic_tokens, 1024,
                         1LL << 31, "length of the generated corpus"));
   t.push_back(string_field("data", "exclude_ids_file", &C::data, &D::exclude_ids_file,
                            "file of sample ids never to draw, one per line (the quarantine "
                            "file `lockstep diag` writes); \"\" = none"));
+}
+
+void validation_fields(std::vector<Field>& t) {
+  using V = ValidationConfig;
+  t.push_back(bool_field("validation", "enable", &C::validation, &V::enable,
+                         "evaluate the loss on held-out data every freq steps"));
+  t.push_back(list_field("validation", "dataset_path", &C::validation, &V::dataset_path,
+                         "held-out token files (paths, glob patterns; data.format); empty = "
+                         "held-out synthetic text (65,536 tokens) with data.source = "
+                         "\"synthetic\""));
+  t.push_back(int_field("validation", "freq", &C::validation, &V::freq, 1, kMaxInt,
+                        "evaluate every this many steps (and after the last)"));
+  t.push_back(int_field("validation", "steps", &C::validation, &V::steps, -1, kMaxInt,
+                        "batches per rank per evaluation; -1 = the whole set (then the result "
+                        "does not depend on the number of ranks)"));
+  t.push_back(int_field("validation", "local_batch_size", &C::validation, &V::local_batch_size,
+                        0, 1 << 20, "sequences per batch on each rank; 0 = training's"));
 }
 
 void parallelism_fields(std::vector<Field>& t) {
@@ -390,6 +438,7 @@ const std::vector<Field>& fields() {
     precision_fields(t);
     optimizer_fields(t);
     checkpoint_and_data_fields(t);
+    validation_fields(t);
     parallelism_fields(t);
     skip_fields(t);
     diagnostics_and_fault_fields(t);
@@ -444,6 +493,7 @@ std::string type_name(const Field& f) {
     case Type::kFloat: return "a number";
     case Type::kBool: return "true or false";
     case Type::kString: return "a string";
+    case Type::kList: return "a list of strings (one string is a list of one; comma-separated on the command line)";
     case Type::kChoice: {
       std::string s = "one of";
       for (size_t i = 0; i < f.choices.size(); ++i)
@@ -476,7 +526,11 @@ std::string value_text(const Value& v) {
   return std::visit(
       [](const auto& x) -> std::string {
         using T = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<T, std::string>)
+        if constexpr (std::is_same_v<T, Strings>) {
+          std::string out = "[";
+          for (size_t i = 0; i < x.size(); ++i) out += (i ? ", \"" : "\"") + x[i] + "\"";
+          return out + "]";
+        } else if constexpr (std::is_same_v<T, std::string>)
           return "\"" + x + "\"";
         else if constexpr (std::is_same_v<T, bool>)
           return x ? "true" : "false";
@@ -492,19 +546,23 @@ std::string value_text(const Value& v) {
 }
 
 // Range and choice checks shared by the file and command-line paths.
+// Paths, names and specs: UTF-8 (config.toml must hold them) without control characters.
+void check_text(const Field& f, const std::string& text, const std::string& where) {
+  if (!valid_utf8(text))
+    throw ConfigError(fmt::format("invalid value for '{}' {}: not valid UTF-8 text; write the "
+                                  "value in UTF-8",
+                                  f.name(), where));
+  if (std::any_of(text.begin(), text.end(),
+                  [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f; }))
+    throw ConfigError(fmt::format("invalid value for '{}' {}: contains a control character "
+                                  "(newline, tab, NUL, ...); remove it",
+                                  f.name(), where));
+}
+
 void check_and_set(Config& c, const Field& f, const Value& v, const std::string& where) {
-  if (const auto* text = std::get_if<std::string>(&v)) {
-    // Paths, names and specs: UTF-8 (config.toml must hold them) without control characters.
-    if (!valid_utf8(*text))
-      throw ConfigError(fmt::format("invalid value for '{}' {}: not valid UTF-8 text; write the "
-                                    "value in UTF-8",
-                                    f.name(), where));
-    if (std::any_of(text->begin(), text->end(),
-                    [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f; }))
-      throw ConfigError(fmt::format("invalid value for '{}' {}: contains a control character "
-                                    "(newline, tab, NUL, ...); remove it",
-                                    f.name(), where));
-  }
+  if (const auto* text = std::get_if<std::string>(&v)) check_text(f, *text, where);
+  if (const auto* list = std::get_if<Strings>(&v))
+    for (const std::string& text : *list) check_text(f, text, where);
   if (f.type == Type::kInt || f.type == Type::kFloat) {
     double x = f.type == Type::kInt ? static_cast<double>(std::get<int64_t>(v))
                                     : std::get<double>(v);
@@ -545,6 +603,18 @@ Value from_toml(const Field& f, const toml::node& n, const std::string& where) {
     case Type::kChoice:
       if (auto v = n.value_exact<std::string>()) return *v;
       break;
+    case Type::kList:
+      if (auto v = n.value_exact<std::string>()) return v->empty() ? Strings{} : Strings{*v};
+      if (const toml::array* a = n.as_array()) {
+        Strings out;
+        for (const toml::node& item : *a) {
+          auto text = item.value_exact<std::string>();
+          if (!text) break;
+          out.push_back(*text);
+        }
+        if (out.size() == a->size()) return out;
+      }
+      break;
   }
   std::ostringstream shown;
   n.visit([&](const auto& v) { shown << v; });
@@ -575,8 +645,44 @@ Value from_text(const Field& f, const std::string& s, const std::string& where) 
     case Type::kString:
     case Type::kChoice:
       return s;
+    case Type::kList: {
+      Strings out;
+      for (size_t a = 0; a < s.size();) {
+        size_t b = s.find(',', a);
+        if (b == std::string::npos) b = s.size();
+        if (b > a) out.push_back(s.substr(a, b - a));
+        a = b + 1;
+      }
+      return out;
+    }
   }
   bad_value(f, "'" + s + "'", where);
+}
+
+toml::array toml_array(const Strings& list) {
+  toml::array a;
+  for (const std::string& item : list) a.push_back(item);
+  return a;
+}
+
+void validate_model(const ModelConfig& m) {
+  if (m.name == ModelName::kGpt) {
+    if (m.n_kv_heads != 0 && m.n_kv_heads != m.n_heads)
+      throw ConfigError(fmt::format("invalid value for 'model.n_kv_heads': {} applies to model.name "
+                                    "= \"llama\"; remove it or set model.name = \"llama\"",
+                                    m.n_kv_heads));
+    return;
+  }
+  const int64_t kv = m.n_kv_heads > 0 ? m.n_kv_heads : m.n_heads;
+  if (m.n_heads % kv != 0)
+    throw ConfigError(fmt::format("invalid value for 'model.n_kv_heads': {} does not divide "
+                                  "model.n_heads = {}; choose a divisor",
+                                  kv, m.n_heads));
+  if ((m.dim / m.n_heads) % 2 != 0)
+    throw ConfigError(fmt::format("invalid value for 'model.n_heads': the head width dim / n_heads "
+                                  "= {} is odd; rotary embeddings rotate pairs, choose n_heads "
+                                  "so that it is even",
+                                  m.dim / m.n_heads));
 }
 
 void validate_cross(const Config& c) {
@@ -586,6 +692,7 @@ void validate_cross(const Config& c) {
         "invalid value for 'model.n_heads': {} does not divide model.dim = {}; choose n_heads "
         "that divides dim",
         c.model.n_heads, c.model.dim));
+  validate_model(c.model);
   if (c.training.seq_len > c.model.max_seq_len)
     throw ConfigError(fmt::format(
         "invalid value for 'training.seq_len': {} exceeds model.max_seq_len = {}; raise "
@@ -595,6 +702,14 @@ void validate_cross(const Config& c) {
     throw ConfigError(
         "missing value for 'data.path': data.source = \"file\" needs a token file; set "
         "data.path or use data.source = \"synthetic\"");
+  if (c.validation.steps == 0)
+    throw ConfigError("invalid value for 'validation.steps': 0 evaluates nothing; expected -1 "
+                      "(the whole set) or a positive number of batches");
+  if (c.validation.enable && c.data.source == DataSource::kFile &&
+      c.validation.dataset_path.empty())
+    throw ConfigError(
+        "missing value for 'validation.dataset_path': validation on file data needs held-out "
+        "token files; set validation.dataset_path or validation.enable = false");
   if (c.data.source == DataSource::kSynthetic && c.model.vocab_size < 256)
     throw ConfigError(fmt::format(
         "invalid value for 'model.vocab_size': {} is too small for the synthetic byte corpus; "
@@ -629,7 +744,7 @@ Config load_config(std::string_view toml_text, const std::string& origin,
     if (!sec) {
       const Field* f = nullptr;
       for (const auto& fl : fields())
-        if (fl.key == section) f = &fl;
+        if (!f && fl.key == section) f = &fl;
       throw ConfigError(fmt::format(
           "config key '{}' {} is outside any section; {}", section,
           where_in_file(origin, sec_node.source()),
@@ -695,6 +810,8 @@ std::string to_toml(const Config& c) {
     out << f.key << " = ";
     if (auto* s = std::get_if<std::string>(&v)) {
       out << toml::value<std::string>(*s);  // toml++ does the quoting and escaping
+    } else if (auto* list = std::get_if<Strings>(&v)) {
+      out << toml_array(*list);
     } else if (auto* d = std::get_if<double>(&v)) {
       std::string num = fmt::format("{}", *d);  // shortest text that reads back exactly
       if (num.find_first_of(".eEn") == std::string::npos) num += ".0";  // keep it a TOML float
@@ -712,7 +829,14 @@ std::string to_json(const Config& c) {
   for (const auto& f : fields()) {
     if (!root.contains(f.section)) root.insert(f.section, toml::table{});
     toml::table& sec = *root[f.section].as_table();
-    std::visit([&](const auto& x) { sec.insert(f.key, x); }, f.get(c));
+    std::visit(
+        [&](const auto& x) {
+          if constexpr (std::is_same_v<std::decay_t<decltype(x)>, Strings>)
+            sec.insert(f.key, toml_array(x));
+          else
+            sec.insert(f.key, x);
+        },
+        f.get(c));
   }
   std::ostringstream out;
   out << toml::json_formatter{root};

@@ -46,12 +46,12 @@ void connect_ranks(Job& j) {
 void open_data(Job& j) {
   const DataConfig& d = j.config.data;
   const TrainingConfig& t = j.config.training;
-  j.source = d.source == DataSource::kSynthetic
-                 ? make_synthetic_source(d.synthetic_tokens)
-                 : open_token_file(d.path, d.format, j.config.model.vocab_size);
+  j.source = open_training_data(j.config);
+  for (const std::string& w : j.source->warnings()) log::warn("{}", w);
   j.sampler = std::make_unique<Sampler>(
       *j.source, SamplerOptions{t.seq_len, t.local_batch_size, j.ranks.rank, j.ranks.world_size,
                                 static_cast<uint64_t>(t.seed)});
+  j.validator = make_validator(j.config, j.ranks, j.device);
   if (!d.exclude_ids_file.empty()) {
     auto excluded = read_id_file(d.exclude_ids_file);
     j.sampler->set_excluded(excluded, d.exclude_ids_file);
@@ -63,7 +63,7 @@ void open_data(Job& j) {
 // [B] reads the 1/W block of the synced gradient this rank owns, [A] this rank's own gradient.
 void build_model(Job& j) {
   const Config& c = j.config;
-  j.model = std::make_unique<Gpt>(c.model, static_cast<uint64_t>(c.training.seed), j.device);
+  j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device);
   j.dp = make_data_parallel(
       j.model->parameters(), j.comm.get(),
       {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
@@ -74,9 +74,25 @@ void build_model(Job& j) {
   if (c.diagnostics.local_check) j.local_check = std::make_unique<GradCheck>(j.dp->grads());
 }
 
+// One device's peak FLOP/s for MFU: metrics.peak_tflops, else a known GPU's.
+double peak_flops(const Config& c, c10::Device device) {
+  if (c.metrics.peak_tflops > 0) return c.metrics.peak_tflops * 1e12;
+  if (!device.is_cuda()) return 0;
+  const std::string name = device_name(device);
+  const double peak =
+      known_peak_flops(name, c.training.mixed_precision_param, c.training.allow_tf32);
+  if (peak == 0)
+    log::info("MFU: no peak FLOP/s known for '{}'; set metrics.peak_tflops to see it", name);
+  return peak;
+}
+
 void log_setup(const Job& j) {
   const Config& c = j.config;
   const TrainingConfig& t = c.training;
+  if (j.peak_flops > 0)
+    log::info("MFU: {:.3g} training FLOPs per token against {:g} TFLOP/s per device",
+              j.model->flops_per_token(t.seq_len), j.peak_flops / 1e12);
+  if (j.validator) log::info("{}", j.validator->describe());
   log::info("optimizer AdamW ({}), {}, {} steps, global batch {} x {} x {} ranks x {} tokens, "
             "run dir {}",
             j.dp->fused_optimizer() ? "fused" : "for-loop", j.dp->describe(), t.steps,
@@ -126,6 +142,7 @@ std::unique_ptr<Job> build_job(const Config& config) {
   if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   build_model(j);
+  j.peak_flops = peak_flops(c, j.device);
   j.detector = std::make_unique<SkipDetector>(c.skip);
   j.scaler = std::make_unique<LossScaler>(c.training);
   j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
@@ -197,9 +214,9 @@ void resume(Job& j) {
   else
     start_fresh(j);
   j.state.world_size = j.ranks.world_size;
-  log::info("lockstep: {} parameters, device {}, {} threads, data: {}",
-            j.model->num_parameters(), j.device.str(), at::get_num_threads(),
-            j.source->describe());
+  log::info("lockstep: model {}, {} parameters, device {}, {} threads, data: {}",
+            name_of(j.config.model.name), j.model->num_parameters(), j.device.str(),
+            at::get_num_threads(), j.source->describe());
   // Every rank starts from rank 0's weights (identical by construction: same seed, same
   // checkpoint; the broadcast makes it so whatever happened). Moving a whole model may take
   // longer than a training collective: it waits as long as a checkpoint's.

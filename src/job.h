@@ -17,9 +17,10 @@
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "diag/injector.h"
+#include "eval/validation.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
-#include "model/gpt.h"
+#include "model/model.h"
 #include "optim/schedule.h"
 #include "parallel/data_parallel.h"
 #include "ranks.h"
@@ -40,7 +41,7 @@ struct Job {
   std::unique_ptr<TokenSource> source;
   std::unique_ptr<Sampler> sampler;
   std::unique_ptr<FaultInjector> faults;
-  std::unique_ptr<Gpt> model;
+  std::unique_ptr<Model> model;
   std::unique_ptr<DataParallel> dp;          // gradient buffers, sync, optimizer, update
   std::unique_ptr<GradCheck> local_check;    // [A] this rank's own gradient; null when off
   std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
@@ -49,6 +50,8 @@ struct Job {
   std::unique_ptr<Explainer> explainer;      // events of anomalous steps
   std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl
   std::unique_ptr<Checkpointer> checkpointer;
+  std::unique_ptr<Validator> validator;      // held-out loss; null when off
+  double peak_flops = 0;                     // one device's, for MFU; 0 = unknown
   LRScheduleOptions schedule;
   nlohmann::json config_json;  // the resolved config, as checkpoints store it
   TrainState state;            // counters; what a checkpoint restores

@@ -110,9 +110,15 @@ std::string prepare_fresh_start(const std::string& run_dir, const std::string& c
                      steps.front(), steps.back(), archive);
 }
 
-std::vector<std::string> check_resume(const nlohmann::json& saved, int64_t saved_world,
+std::vector<std::string> check_resume(const nlohmann::json& saved_config, int64_t saved_world,
                                       const Config& c, int world) {
   const nlohmann::json now = nlohmann::json::parse(to_json(c));
+  nlohmann::json saved = saved_config;
+  // Checkpoints written before data.path became a list hold one string ("" for none).
+  if (saved.contains("data") && saved["data"].contains("path") && saved["data"]["path"].is_string()) {
+    const std::string one = saved["data"]["path"];
+    saved["data"]["path"] = one.empty() ? nlohmann::json::array() : nlohmann::json::array({one});
+  }
   auto changed = [&](const char* section, const char* key) {
     return saved.contains(section) && saved[section].contains(key) &&
            saved[section][key] != now[section][key];

@@ -12,7 +12,18 @@
 
 #include "lockstep/error.h"
 
+#ifdef LOCKSTEP_WITH_CUDA
+#include "kernels/device_info.h"
+#endif
+
 namespace lockstep {
+
+std::string device_name(c10::Device device) {
+#ifdef LOCKSTEP_WITH_CUDA
+  if (device.is_cuda()) return kernels::query_device_info().device_name;  // device 0's
+#endif
+  return device.str();
+}
 
 c10::Device resolve_device(DeviceKind kind, int local_rank) {
   if (kind == DeviceKind::kCpu) return c10::Device(c10::kCPU);

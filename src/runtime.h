@@ -6,6 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <csignal>
+#include <string>
 
 #include "lockstep/config.h"
 
@@ -15,6 +16,9 @@ namespace lockstep {
 // outnumber GPUs, made current). Throws ConfigError naming training.device when CUDA is asked
 // for but missing.
 c10::Device resolve_device(DeviceKind kind, int local_rank = 0);
+
+// "cpu", or the GPU's name ("NVIDIA H200").
+std::string device_name(c10::Device device);
 
 // Sets ATen's intra-op threads: `threads`, or with 0 this node's cores shared among its
 // `local_world_size` ranks. Returns the count set.

@@ -59,4 +59,13 @@ bool parse_int(std::string_view s, int64_t& out) {
   return r.ec == std::errc() && r.ptr == end && !s.empty();
 }
 
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
 }  // namespace lockstep

@@ -14,6 +14,9 @@ std::string nearest(std::string_view wanted, const std::vector<std::string>& can
 // Splits "a, b ,c" at commas, trimming blanks; empty items (and an empty text) give no items.
 std::vector<std::string> split_list(const std::string& text);
 
+// 8030261248 -> "8,030,261,248".
+std::string with_commas(int64_t n);
+
 // The whole of `s` as a decimal integer.
 bool parse_int(std::string_view s, int64_t& out);
 

@@ -45,7 +45,7 @@ void forward_backward(Job& job, RankStep& s) {
     at::Tensor batch = load_batch(*job.sampler, ids, t.seq_len, job.device);  // (B, T + 1)
     at::Tensor x = batch.slice(1, 0, t.seq_len);                              // (B, T)
     at::Tensor y = batch.slice(1, 1, t.seq_len + 1);                          // (B, T)
-    at::Tensor per_sample = Gpt::sample_losses(job.model->forward(x, /*train=*/true), y);  // (B)
+    at::Tensor per_sample = sample_losses(job.model->forward(x, /*train=*/true), y);  // (B)
     per_sample = job.faults->on_sample_losses(per_sample, ids, micro);
     at::Tensor loss = per_sample.mean();
     at::Tensor objective = job.faults->on_objective(loss.div(accumulation), micro);
@@ -169,7 +169,13 @@ void verify(Job& job, int64_t& last_verified) {
   throw TrainingAborted(desync_message(job.state.step, last_verified, vote));
 }
 
-// The loop: step, progress, verify, save, stop.
+// The held-out loss (every rank evaluates its share).
+void validate(Job& job, Progress& progress) {
+  const ValidationResult v = job.validator->run(*job.model, job.comm.get());
+  progress.validation_done(job.state.step, v.loss, v.perplexity, v.samples, v.seconds);
+}
+
+// The loop: step, progress, validate, verify, save, stop.
 void run(Job& job, Progress& progress, TrainResult& result) {
   const Config& c = job.config;
   const StopSignals signals;
@@ -179,6 +185,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
     const StepResult r = step(job, job.state.step + 1, lr);
     result.losses.push_back(r.verdict.loss);
     progress.step_done(job.state, r.verdict, *job.detector, lr, r.clip, r.decision_seconds);
+    if (job.validator && job.validator->due(job.state.step)) validate(job, progress);
     const bool last = job.state.step == c.training.steps;
     const int64_t every = c.diagnostics.verify_every;
     if (job.comm && every > 0 && (job.state.step % every == 0 || last)) verify(job, last_verified);
@@ -191,8 +198,10 @@ void run(Job& job, Progress& progress, TrainResult& result) {
 TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
-  Progress progress(job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
-                    job.tokens_per_step, job.config.metrics.log_freq, job.scaler->enabled());
+  Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
+                     job.tokens_per_step, job.config.metrics.log_freq, job.scaler->enabled(),
+                     job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,
+                     job.ranks.world_size});
   run(job, progress, result);
   const double total = progress.elapsed();
   const int64_t ran = job.state.step - result.start_step;

@@ -85,7 +85,26 @@ path = "/data/tokens.bin"
   EXPECT_DOUBLE_EQ(c.training.max_norm, 2.0);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-4);
   EXPECT_FALSE(c.checkpoint.enable);
-  EXPECT_EQ(c.data.path, "/data/tokens.bin");
+  EXPECT_EQ(c.data.path, std::vector<std::string>{"/data/tokens.bin"});
+}
+
+// data.path: a TOML array or one string; comma-separated on the command line; printed back as
+// an array that reads back the same.
+TEST(Config, ListsFromFileAndCommandLine) {
+  Config c = load_config("[data]\nsource = \"file\"\npath = [\"a.bin\", \"s/*.bin\"]\n", "t");
+  EXPECT_EQ(c.data.path, (std::vector<std::string>{"a.bin", "s/*.bin"}));
+  c = load_config("", "t", lockstep::parse_overrides({"--data.path", "x.bin,y.bin"}));
+  EXPECT_EQ(c.data.path, (std::vector<std::string>{"x.bin", "y.bin"}));
+  const std::string toml = lockstep::to_toml(c);
+  EXPECT_NE(toml.find("path = [ 'x.bin', 'y.bin' ]"), std::string::npos) << toml;
+  EXPECT_EQ(load_config(toml, "again").data.path, c.data.path);
+  try {
+    load_config("[data]\npath = [1, 2]\n", "t");
+    ADD_FAILURE() << "a list of numbers was accepted";
+  } catch (const lockstep::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("'data.path'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("a list of strings"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Config, OverridesWinOverFile) {
@@ -215,7 +234,7 @@ TEST(Config, JsonHasEverySectionAndKey) {
   const auto j = nlohmann::json::parse(lockstep::to_json(Config{}));
   const std::vector<std::string> sections = {
       "job",  "model",       "training", "optimizer", "lr_scheduler", "checkpoint", "metrics",
-      "data", "parallelism", "comm",     "skip",      "diagnostics",  "fault"};
+      "data", "validation",  "parallelism", "comm", "skip", "diagnostics", "fault"};
   EXPECT_EQ(j.size(), sections.size());
   for (const auto& s : sections) EXPECT_TRUE(j.contains(s)) << s;
   // Every key of the reference table (lines "| `section.key` | ...") is in the JSON.

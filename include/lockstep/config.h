@@ -17,14 +17,15 @@
 namespace lockstep {
 
 // ---- the choices ------------------------------------------------------------------------
-enum class ModelName { kGpt };
+enum class ModelName { kGpt, kLlama };             // GPT-2 style; Llama 3 style (torchtitan)
 enum class DeviceKind { kAuto, kCpu, kCuda };       // auto = cuda when available
 enum class OptimizerName { kAdamW };
 enum class AdamWImpl { kFused, kForLoop };          // fused = ATen _fused_adamw_
 enum class DecayType { kLinear, kCosine, kConstant };
 enum class OnSkip { kAdvance, kHold };              // the lr on a skipped step
 enum class DataSource { kSynthetic, kFile };
-enum class TokenFormat { kAuto, kBytes, kUint16 };  // auto: uint16 for .bin, else bytes
+// auto: llm.c shards by their header, other .bin files uint16, everything else bytes
+enum class TokenFormat { kAuto, kBytes, kUint16, kUint32, kLlmc };
 enum class Backend { kAuto, kGloo, kMpi, kNccl };   // auto: nccl on GPUs, gloo on CPUs
 enum class ParallelMode { kDdp, kSharded };         // sharded = ZeRO-2
 enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16", "float16"
@@ -67,7 +68,11 @@ struct ModelConfig {
   int64_t dim = 128;
   int64_t n_layers = 2;
   int64_t n_heads = 4;
-  int64_t mlp_ratio = 4;
+  int64_t mlp_ratio = 4;          // gpt: MLP width = mlp_ratio x dim
+  int64_t n_kv_heads = 0;         // llama: key/value heads (grouped-query attention); 0 = n_heads
+  int64_t multiple_of = 256;      // llama: the feed-forward width is rounded up to this
+  double ffn_dim_multiplier = 0;  // llama: scales the feed-forward width; 0 = none
+  double rope_theta = 10000;      // llama: base of the rotary position embedding
   int64_t max_seq_len = 128;
   double norm_eps = 1e-5;
   double dropout = 0.0;
@@ -130,11 +135,25 @@ struct CheckpointConfig {
 
 struct MetricsConfig {
   int64_t log_freq = 10;
+  // Peak FLOP/s of one device in the compute dtype, for model FLOPs utilisation (MFU); 0 = from
+  // the table of known GPUs (none on CPUs: MFU is shown only when this is given).
+  double peak_tflops = 0;
+};
+
+// Held-out loss every `freq` steps (torchtitan's names).
+struct ValidationConfig {
+  bool enable = false;
+  // Held-out token files (paths and glob patterns, read with data.format); empty = held-out
+  // synthetic text when data.source = "synthetic".
+  std::vector<std::string> dataset_path;
+  int64_t freq = 100;
+  int64_t steps = -1;            // batches per rank per evaluation; -1 = the whole set
+  int64_t local_batch_size = 0;  // 0 = training.local_batch_size
 };
 
 struct DataConfig {
   DataSource source = DataSource::kSynthetic;
-  std::string path = "";
+  std::vector<std::string> path;  // token files and glob patterns: the shards, in this order
   TokenFormat format = TokenFormat::kAuto;
   int64_t synthetic_tokens = 1 << 20;
   std::string exclude_ids_file = "";  // sample ids never drawn (one per line; `lockstep diag`)
@@ -191,6 +210,7 @@ struct Config {
   CheckpointConfig checkpoint;
   MetricsConfig metrics;
   DataConfig data;
+  ValidationConfig validation;
   ParallelismConfig parallelism;
   CommConfig comm;
   SkipConfig skip;

@@ -1,18 +1,14 @@
 #include "lockstep/data.h"
 
-#include <fcntl.h>
+// The embedded synthetic corpus, the sampler (sample ids over shards, the seeded order, the
+// quarantine) and sample-id files. Token files are token_files.cpp.
 #include <fmt/core.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <charconv>
 #include <fstream>
-#include <cerrno>
-#include <cstring>
 #include <string_view>
 
 #include "lockstep/error.h"
@@ -36,95 +32,20 @@ struct SplitMix64 {
 class VectorSource final : public TokenSource {
  public:
   explicit VectorSource(std::vector<uint8_t> bytes) : bytes_(std::move(bytes)) {
-    for (uint8_t b : bytes_) max_ = std::max<int64_t>(max_, b);
+    shards_.push_back({"synthetic corpus", static_cast<int64_t>(bytes_.size()), 0, 1, "bytes"});
   }
-  int64_t size() const override { return static_cast<int64_t>(bytes_.size()); }
-  void read(int64_t start, int64_t n, int64_t* out) const override {
-    for (int64_t i = 0; i < n; ++i) out[i] = bytes_[start + i];
+  void read(int64_t, int64_t start, int64_t n, int64_t* out) const override {
+    for (int64_t i = 0; i < n; ++i) out[i] = bytes_[static_cast<size_t>(start + i)];
   }
-  int64_t max_token() const override { return max_; }
-  std::string describe() const override {
-    return fmt::format("synthetic corpus ({} tokens)", bytes_.size());
-  }
+  bool byte_level() const override { return true; }
 
  private:
   std::vector<uint8_t> bytes_;
-  int64_t max_ = 0;
-};
-
-// A token file read with pread, window by window: nothing is mapped, so a file truncated or
-// replaced while training is an error naming it, never a SIGBUS.
-class FileSource final : public TokenSource {
- public:
-  FileSource(std::string path, int fd, size_t bytes, int width)
-      : path_(std::move(path)), fd_(fd), bytes_(bytes), width_(width) {}
-  ~FileSource() override { ::close(fd_); }
-
-  int64_t size() const override { return static_cast<int64_t>(bytes_ / width_); }
-  void read(int64_t start, int64_t n, int64_t* out) const override {
-    static_assert(std::endian::native == std::endian::little,
-                  "uint16 token files are little-endian; add a byte swap for this host");
-    std::vector<uint8_t>& buf = buffer();
-    buf.resize(static_cast<size_t>(n * width_));
-    size_t got = 0;
-    const auto offset = static_cast<off_t>(start * width_);
-    while (got < buf.size()) {
-      const ssize_t r = ::pread(fd_, buf.data() + got, buf.size() - got, offset + static_cast<off_t>(got));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0)
-        throw InputError(fmt::format(
-            "data file '{}' could not be read at byte {} ({}); was it truncated or replaced "
-            "while training? restore it and resume",
-            path_, offset + static_cast<off_t>(got), r < 0 ? std::strerror(errno) : "end of file"));
-      got += static_cast<size_t>(r);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (width_ == 1) {
-        out[i] = buf[static_cast<size_t>(i)];
-      } else {
-        uint16_t v;
-        std::memcpy(&v, buf.data() + 2 * i, 2);
-        out[i] = v;
-      }
-    }
-  }
-  int64_t max_token() const override { return max_; }
-  std::string describe() const override {
-    return fmt::format("{} ({} tokens, {})", path_, size(), width_ == 1 ? "bytes" : "uint16");
-  }
-  void scan(int64_t vocab_size) {
-    std::vector<int64_t> buf(1 << 16);
-    for (int64_t s = 0; s < size(); s += static_cast<int64_t>(buf.size())) {
-      int64_t n = std::min<int64_t>(static_cast<int64_t>(buf.size()), size() - s);
-      read(s, n, buf.data());
-      for (int64_t i = 0; i < n; ++i) {
-        if (buf[i] >= vocab_size)
-          throw InputError(fmt::format(
-              "data file '{}': token id {} at position {} is >= model.vocab_size = {}; raise "
-              "model.vocab_size or check data.format",
-              path_, buf[i], s + i, vocab_size));
-        max_ = std::max(max_, buf[i]);
-      }
-    }
-  }
-
- private:
-  // Per thread: read() may be called from several threads at once.
-  static std::vector<uint8_t>& buffer() {
-    thread_local std::vector<uint8_t> b;
-    return b;
-  }
-
-  std::string path_;
-  int fd_;
-  size_t bytes_;
-  int width_;
-  int64_t max_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<TokenSource> make_synthetic_source(int64_t n_tokens) {
+std::unique_ptr<TokenSource> make_synthetic_source(int64_t n_tokens, uint64_t stream) {
   // A fixed vocabulary and a sparse word-level Markov chain: each word may be followed by
   // three others. Spelling is fully predictable and word choice is 1 of 3, so a small model's
   // loss falls far below the ln(256) of uniform bytes.
@@ -139,6 +60,8 @@ std::unique_ptr<TokenSource> make_synthetic_source(int64_t n_tokens) {
   for (auto& row : next)
     for (auto& w : row) w = static_cast<uint8_t>(rng.below(kWords.size()));
 
+  // Another stream walks the same chain from other random draws: the same language, other text.
+  if (stream != 0) rng.state ^= stream * 0xD1B54A32D192ED03ULL;
   std::vector<uint8_t> text;
   text.reserve(static_cast<size_t>(n_tokens) + 16);
   size_t word = rng.below(kWords.size());
@@ -166,51 +89,31 @@ std::unique_ptr<TokenSource> make_synthetic_source(int64_t n_tokens) {
   return std::make_unique<VectorSource>(std::move(text));
 }
 
-std::unique_ptr<TokenSource> open_token_file(const std::string& path, TokenFormat format,
-                                             int64_t vocab_size) {
-  if (format == TokenFormat::kAuto) {
-    bool bin = path.size() >= 4 && path.compare(path.size() - 4, 4, ".bin") == 0;
-    format = bin ? TokenFormat::kUint16 : TokenFormat::kBytes;
-  }
-  int width = format == TokenFormat::kUint16 ? 2 : 1;
-  // O_NONBLOCK: a FIFO with no writer is refused below instead of blocking the open.
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0)
-    throw InputError(fmt::format("cannot open data file '{}': {}; set data.path to a readable "
-                                 "token file",
-                                 path, std::strerror(errno)));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw InputError(fmt::format("data file '{}' is not a regular file; set data.path to a "
-                                 "token file",
-                                 path));
-  }
-  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
-  size_t bytes = static_cast<size_t>(st.st_size);
-  if (bytes == 0) {
-    ::close(fd);
-    throw InputError(fmt::format("data file '{}' is empty; point data.path at a file with "
-                                 "tokens",
-                                 path));
-  }
-  if (bytes % width != 0) {
-    ::close(fd);
-    throw InputError(fmt::format("data file '{}' has {} bytes, not a multiple of 2 as uint16 "
-                                 "tokens need; set data.format = \"bytes\" if it is raw bytes",
-                                 path, bytes));
-  }
-  auto src = std::make_unique<FileSource>(path, fd, bytes, width);
-  src->scan(vocab_size);
-  return src;
+std::unique_ptr<TokenSource> open_training_data(const Config& c) {
+  return c.data.source == DataSource::kSynthetic
+             ? make_synthetic_source(c.data.synthetic_tokens)
+             : open_token_files(c.data.path, c.data.format, c.model.vocab_size);
 }
 
 Sampler::Sampler(const TokenSource& source, SamplerOptions options)
-    : source_(source), opt_(options), num_samples_((source.size() - 1) / options.seq_len) {
-  if (source.size() < options.seq_len + 1)
-    throw InputError(fmt::format("{} is too short: {} tokens, but one sample needs "
-                                 "training.seq_len + 1 = {}; use more data or a shorter seq_len",
-                                 source.describe(), source.size(), options.seq_len + 1));
+    : source_(source), opt_(options) {
+  first_id_.push_back(0);
+  for (const Shard& s : source.shards())
+    first_id_.push_back(first_id_.back() + std::max<int64_t>(0, (s.tokens - 1) / opt_.seq_len));
+  num_samples_ = first_id_.back();
+  if (num_samples_ == 0)
+    throw InputError(fmt::format("{} is too short: no shard holds the training.seq_len + 1 = {} "
+                                 "tokens of one sample; use more data or a shorter seq_len",
+                                 source.describe(), options.seq_len + 1));
+}
+
+SampleLocation Sampler::locate(int64_t id) const {
+  if (id < 0 || id >= num_samples_)
+    throw InputError(fmt::format("sample id {} is not a sample of this data (ids 0..{} at "
+                                 "seq_len {})",
+                                 id, num_samples_ - 1, opt_.seq_len));
+  const auto it = std::upper_bound(first_id_.begin(), first_id_.end(), id) - 1;
+  return {it - first_id_.begin(), (id - *it) * opt_.seq_len};
 }
 
 void Sampler::ensure_epoch(int64_t epoch) const {
@@ -305,8 +208,10 @@ std::vector<int64_t> read_id_file(const std::string& path) {
 
 void Sampler::fill(const std::vector<int64_t>& ids, int64_t* tokens) const {
   const int64_t row = opt_.seq_len + 1;
-  for (size_t i = 0; i < ids.size(); ++i)
-    source_.read(ids[i] * opt_.seq_len, row, tokens + static_cast<int64_t>(i) * row);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const SampleLocation at = locate(ids[i]);
+    source_.read(at.shard, at.start, row, tokens + static_cast<int64_t>(i) * row);
+  }
 }
 
 }  // namespace lockstep

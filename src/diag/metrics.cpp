@@ -46,13 +46,56 @@ std::string format_eta(double seconds) {
   return fmt::format("{}:{:02d}", s / 60, s % 60);
 }
 
-Progress::Progress(const std::string& metrics_path, int64_t total_steps, int64_t tokens_per_step,
-                   int64_t log_freq, bool show_scale)
-    : metrics_(metrics_path),
-      total_steps_(total_steps),
-      tokens_per_step_(tokens_per_step),
-      log_freq_(log_freq),
-      show_scale_(show_scale) {}
+double known_peak_flops(const std::string& name, Precision compute, bool allow_tf32) {
+  // Dense tensor-core peaks from NVIDIA's data sheets, TFLOP/s: {16-bit, TF32, fp32}. The more
+  // specific names first (an "A100" is no "A10", an "L40S" no "L4").
+  struct Peak {
+    const char* name;
+    double half, tf32, fp32;
+  };
+  static constexpr Peak kPeaks[] = {
+      {"B200", 2250, 1100, 80},  {"H100 PCIe", 756, 378, 51}, {"H200", 989.4, 494.7, 66.9},
+      {"H100", 989.4, 494.7, 66.9}, {"A100", 312, 156, 19.5}, {"L40S", 362, 183, 91.6},
+      {"L4", 121, 60, 30.3},     {"A10", 125, 62.5, 31.2}};
+  for (const Peak& p : kPeaks)
+    if (name.find(p.name) != std::string::npos) {
+      const double tflops = compute != Precision::kFloat32 ? p.half : allow_tf32 ? p.tf32 : p.fp32;
+      return tflops * 1e12;
+    }
+  return 0;
+}
+
+Progress::Progress(ProgressOptions options)
+    : opt_(std::move(options)), metrics_(opt_.metrics_path) {}
+
+void Progress::validation_done(int64_t step, double loss, double perplexity, int64_t samples,
+                               double seconds) {
+  last_val_loss_ = loss;
+  interval_start_ += std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(seconds));
+  log::info("validation at step {}: loss {:.4f}, perplexity {:.3f} ({} samples, {:.1f} s)", step,
+            loss, perplexity, samples, seconds);
+  metrics_.write({{"event", "validation"},
+                  {"step", step},
+                  {"val_loss", json_number(loss)},
+                  {"val_perplexity", json_number(perplexity)},
+                  {"samples", samples},
+                  {"seconds", seconds}});
+}
+
+void Progress::print_line(const TrainState& state, const Verdict& v, double lr,
+                          double ms_per_step, double tok_s, double mfu) const {
+  const double eta = static_cast<double>(opt_.total_steps - state.step) * ms_per_step / 1e3;
+  std::string extra;
+  if (opt_.show_scale)
+    extra += fmt::format(" | scale {:g} ({} overflows)", v.loss_scale, state.overflow_skips);
+  if (last_val_loss_ >= 0) extra += fmt::format(" | val {:.4f}", last_val_loss_);
+  if (mfu > 0) extra += fmt::format(" | MFU {:.1f}%", 100 * mfu);
+  log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | skipped {}{} | "
+            "ms/step {:.1f} | tok/s {:.0f} | ETA {}",
+            state.step, opt_.total_steps, v.loss, v.grad_norm, lr, state.skipped_steps, extra,
+            ms_per_step, tok_s, format_eta(eta));
+}
 
 double Progress::elapsed() const {
   return std::chrono::duration<double>(Clock::now() - start_).count();
@@ -62,20 +105,16 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                          double lr, double clip, double decision_seconds) {
   ++interval_steps_;
   interval_decision_s_ += decision_seconds;
-  if (state.step % log_freq_ != 0 && state.step != total_steps_) return;
+  if (state.step % opt_.log_freq != 0 && state.step != opt_.total_steps) return;
   const auto now = Clock::now();
   const double secs = std::chrono::duration<double>(now - interval_start_).count();
   const double steps = static_cast<double>(interval_steps_);
   const double ms_per_step = 1e3 * secs / steps;
-  const double tok_s = steps * static_cast<double>(tokens_per_step_) / secs;
-  const double eta = static_cast<double>(total_steps_ - state.step) * ms_per_step / 1e3;
-  const std::string scale =
-      show_scale_ ? fmt::format(" | scale {:g} ({} overflows)", v.loss_scale, state.overflow_skips)
-                  : "";
-  log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | skipped {}{} | "
-            "ms/step {:.1f} | tok/s {:.0f} | ETA {}",
-            state.step, total_steps_, v.loss, v.grad_norm, lr, state.skipped_steps, scale,
-            ms_per_step, tok_s, format_eta(eta));
+  const double tok_s = steps * static_cast<double>(opt_.tokens_per_step) / secs;
+  const double mfu = opt_.peak_flops > 0 ? tok_s * opt_.flops_per_token /
+                                               (static_cast<double>(opt_.devices) * opt_.peak_flops)
+                                         : 0;
+  print_line(state, v, lr, ms_per_step, tok_s, mfu);
   metrics_.write({{"step", state.step},
                   {"loss", json_number(v.loss)},
                   {"grad_norm", json_number(v.grad_norm)},
@@ -85,6 +124,7 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                   {"ms_per_step", ms_per_step},
                   {"decision_ms", 1e3 * interval_decision_s_ / steps},
                   {"tokens_per_s", tok_s},
+                  {"mfu", mfu > 0 ? nlohmann::json(mfu) : nlohmann::json()},
                   {"tokens_seen", state.tokens_seen},
                   {"optimizer_steps", state.optimizer_steps},
                   {"skipped_steps", state.skipped_steps},

@@ -22,12 +22,24 @@ bool reset_peak_resident();
 // "m:ss" or "h:mm:ss"; "?" for a nonfinite or negative time.
 std::string format_eta(double seconds);
 
+// Peak dense FLOP/s of a known GPU (by its CUDA device name) in the compute dtype: bf16 and
+// fp16 tensor cores, TF32 for fp32 when allowed, else plain fp32. 0 for an unknown device.
+double known_peak_flops(const std::string& device_name, Precision compute, bool allow_tf32);
+
+struct ProgressOptions {
+  std::string metrics_path;  // "" writes no file (ranks other than 0)
+  int64_t total_steps = 0;
+  int64_t tokens_per_step = 0;  // global
+  int64_t log_freq = 1;
+  bool show_scale = false;      // the line shows the loss scale (fp16 loss scaling on)
+  double flops_per_token = 0;   // the model's training FLOPs per token
+  double peak_flops = 0;        // one device's peak FLOP/s; 0 = no MFU
+  int64_t devices = 1;          // ranks (tokens_per_step is theirs together)
+};
+
 class Progress {
  public:
-  // `metrics_path` "" writes no file (ranks other than 0). `tokens_per_step` is global.
-  // `show_scale`: the progress line shows the loss scale (fp16 loss scaling on).
-  Progress(const std::string& metrics_path, int64_t total_steps, int64_t tokens_per_step,
-           int64_t log_freq, bool show_scale = false);
+  explicit Progress(ProgressOptions options);
 
   // Counts the step `state` has just completed (`decision_seconds`: what its checks and stats
   // exchange cost, the gradient sync excluded); on a logged step, prints the progress line and
@@ -35,14 +47,21 @@ class Progress {
   void step_done(const TrainState& state, const Verdict& verdict, const SkipDetector& detector,
                  double lr, double clip, double decision_seconds);
 
+  // A validation ran after `step`: its log line and metrics record; its time is left out of
+  // the step rates.
+  void validation_done(int64_t step, double loss, double perplexity, int64_t samples,
+                       double seconds);
+
   // Seconds since the start of the run (this process).
   double elapsed() const;
 
  private:
   using Clock = std::chrono::steady_clock;
+  void print_line(const TrainState& state, const Verdict& v, double lr, double ms_per_step,
+                  double tok_s, double mfu) const;
+  ProgressOptions opt_;
   JsonlWriter metrics_;
-  int64_t total_steps_, tokens_per_step_, log_freq_;
-  bool show_scale_;
+  double last_val_loss_ = -1;  // none yet
   Clock::time_point start_ = Clock::now(), interval_start_ = start_;
   int64_t interval_steps_ = 0;
   double interval_decision_s_ = 0;

@@ -2,63 +2,35 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/dropout.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/matmul.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/scaled_dot_product_attention.h>
-#include <ATen/ops/softmax.h>
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
-#include <limits>
 
 namespace lockstep {
-namespace {
 
-// Causal self-attention of q, k, v (B, nh, T, hd) -> (B, nh, T, hd). ATen's fused kernel,
-// except on the CPU in bf16 / fp16, where its flash kernel runs about 3x slower than in fp32
-// (torch 2.13, fwd + bwd, T = 128): there two 16-bit matmuls around a softmax taken in fp32 are
-// 3x faster (launch/bench_precision.sh shows the effect on a whole step).
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            double p_drop) {
-  if (!q.is_cpu() || q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble)
-    return at::scaled_dot_product_attention(q, k, v, {}, p_drop, /*is_causal=*/true);
-  const int64_t T = q.size(2);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-  at::Tensor future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);  // (T, T)
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);          // (B, nh, T, T)
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  if (p_drop > 0) probs = at::dropout(probs, p_drop, /*train=*/true);
-  return at::matmul(probs, v);
-}
-
-}  // namespace
-
-Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device) : cfg_(config) {
+Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device) : Model(config) {
   const int64_t C = cfg_.dim, V = cfg_.vocab_size, L = cfg_.n_layers;
   const int64_t H = cfg_.mlp_ratio * C;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   auto f32 = at::TensorOptions().dtype(at::kFloat);
 
   // Every tensor is created in this order, so the same seed gives the same weights.
-  auto add = [&](const std::string& name, at::Tensor t) {
-    t = t.to(device);
-    t.set_requires_grad(true);
-    params_.push_back({name, t});
-    return t;
-  };
   auto normal = [&](const std::string& name, std::vector<int64_t> shape, double std) {
-    return add(name, at::empty(shape, f32).normal_(0.0, std, gen));
+    return add(name, at::empty(shape, f32).normal_(0.0, std, gen), device);
   };
-  auto zeros = [&](const std::string& name, int64_t n) { return add(name, at::zeros({n}, f32)); };
-  auto ones = [&](const std::string& name, int64_t n) { return add(name, at::ones({n}, f32)); };
+  auto zeros = [&](const std::string& name, int64_t n) {
+    return add(name, at::zeros({n}, f32), device);
+  };
+  auto ones = [&](const std::string& name, int64_t n) {
+    return add(name, at::ones({n}, f32), device);
+  };
 
   const double s = cfg_.init_std;
   // GPT-2: projections into the residual stream are scaled by 1/sqrt(2 L).
@@ -86,12 +58,6 @@ Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device) : cfg_(co
   lnf_b_ = zeros("ln_f.bias", C);
 }
 
-int64_t Gpt::num_parameters() const {
-  int64_t n = 0;
-  for (const auto& p : params_) n += p.tensor.numel();
-  return n;
-}
-
 at::Tensor Gpt::forward(const at::Tensor& idx, bool train) const {
   const int64_t B = idx.size(0), T = idx.size(1), C = cfg_.dim;
   const int64_t nh = cfg_.n_heads, hd = C / nh;
@@ -114,21 +80,6 @@ at::Tensor Gpt::forward(const at::Tensor& idx, bool train) const {
   }
   x = at::layer_norm(x, {C}, lnf_w_, lnf_b_, cfg_.norm_eps);
   return at::linear(x, wte_);  // (B, T, V)
-}
-
-at::Tensor Gpt::loss(const at::Tensor& logits, const at::Tensor& targets) {
-  const int64_t V = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, V}), targets.reshape({-1}));
-}
-
-at::Tensor Gpt::sample_losses(const at::Tensor& logits, const at::Tensor& targets) {
-  const int64_t B = logits.size(0), V = logits.size(-1);
-  // In fp32 whatever the model computes in: a bf16 or fp16 softmax over the vocabulary loses the
-  // small probabilities (torchtitan casts its logits the same way).
-  return at::cross_entropy_loss(logits.reshape({-1, V}).to(at::kFloat), targets.reshape({-1}), {},
-                                at::Reduction::None)
-      .view({B, -1})
-      .mean(1);
 }
 
 }  // namespace lockstep

@@ -1,0 +1,43 @@
+// What a model configuration costs, from the config alone (nothing allocated): parameters,
+// training FLOPs per token, and the per-rank memory of the training state in each
+// data-parallel mode. `lockstep config check` prints it; the models' own counts are tested
+// against it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "lockstep/config.h"
+
+namespace lockstep {
+
+struct ModelSize {
+  int64_t parameters = 0;
+  int64_t embedding = 0;         // token (and position) embeddings: no matrix product per token
+  int64_t tied_head = 0;         // gpt: the output head is the token embedding (V x C)
+  int64_t layers = 0, heads = 0, head_dim = 0;
+  int64_t kv_heads = 0;          // llama: grouped-query attention
+  int64_t ffn_hidden = 0;        // width of the feed-forward layer
+
+  // Training FLOPs per token at sequence length T (forward + backward, the PaLM / torchtitan
+  // count): 6 x the parameters that multiply every token (the output head included, tied or
+  // not) + 12 x layers x heads x head_dim x T for attention.
+  double flops_per_token(int64_t seq_len) const;
+};
+
+ModelSize model_size(const ModelConfig& model);
+
+// Llama's feed-forward width: 2/3 of 4 x dim, times ffn_dim_multiplier (when > 0), rounded up
+// to a multiple of multiple_of (torchtitan's rule).
+int64_t llama_ffn_hidden(const ModelConfig& model);
+
+// Bytes of training state per rank (weights, gradients, masters, moments, reduce buffers; not
+// activations) for `world` ranks in the given mode and precisions, as the README's table says.
+double state_bytes_per_rank(const ModelSize& size, const TrainingConfig& training,
+                            ParallelMode mode, int64_t world);
+
+// The lines `config check` prints: parameters, FLOPs per token, per-rank state in both modes
+// at a few world sizes.
+std::string describe_model_size(const Config& config);
+
+}  // namespace lockstep

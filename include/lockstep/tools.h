@@ -1,0 +1,57 @@
+// The tools around a run: token shards from text (`lockstep data shard`), where a sample comes
+// from (`lockstep data show`), a checkpoint in Hugging Face layout (`lockstep export`) and text
+// sampled from a checkpoint (`lockstep generate`). Each throws InputError (exit 3) or
+// ConfigError (exit 2) with one line naming the file or option and the fix.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace lockstep {
+
+// ---- lockstep data shard ----------------------------------------------------------------
+struct ShardOptions {
+  std::string input;               // a text file; "" = the embedded synthetic corpus
+  int64_t synthetic_tokens = 1 << 20;  // its size when input is ""
+  std::string out;                 // a new or empty folder
+  double val_fraction = 0.1;       // the start of the text goes to val_000000.bin
+  int64_t shard_tokens = 100'000'000;  // tokens per train shard (llm.c's fineweb size)
+};
+// Writes the text's bytes as byte-level tokens in llm.c's GPT-2 shard format (the 256 x int32
+// header with magic 20240520, version 1 and the token count, then uint16 tokens): OUT/
+// val_000000.bin, OUT/train_000001.bin, ... (llm.c's naming: shard 0 is validation). Each file
+// appears whole (written aside, then renamed). Returns one line per file written.
+std::string write_text_shards(const ShardOptions& options);
+
+// ---- lockstep data show -----------------------------------------------------------------
+// Where each sample id of RUN_DIR's data comes from (its config.toml: data.path, format,
+// training.seq_len): {"id", "file", "token_offset", "byte_offset", "tokens": [...], "text"
+// (byte-level data only)} per id. InputError for an id that is not a sample of that data.
+nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_t>& ids);
+std::string format_samples(const nlohmann::json& samples);
+
+// ---- lockstep export --------------------------------------------------------------------
+// Writes checkpoint `step` (-1 = the latest) of `path` (a run, checkpoint or step folder) as a
+// Hugging Face folder: config.json and model.safetensors with transformers' names
+// (GPT2LMHeadModel for gpt, LlamaForCausalLM for llama; fp32). `format` must be "hf". OUT must
+// not exist; it appears whole. Returns a summary line.
+std::string export_checkpoint(const std::string& path, int64_t step, const std::string& format,
+                              const std::string& out);
+
+// ---- lockstep generate ------------------------------------------------------------------
+struct GenerateOptions {
+  std::string path;  // a run, checkpoint or step folder
+  int64_t step = -1;
+  std::string prompt;
+  int64_t tokens = 200;
+  double temperature = 0.8;  // 0 = greedy
+  int64_t top_k = 40;        // 0 = the whole vocabulary
+  uint64_t seed = 0;
+};
+// The prompt followed by `tokens` sampled bytes (byte-level models: model.vocab_size <= 256).
+std::string generate_text(const GenerateOptions& options);
+
+}  // namespace lockstep

@@ -1,0 +1,132 @@
+// `lockstep data shard` (text -> llm.c shards) and `lockstep data show` (a sample id -> its
+// file, offset, tokens and text).
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "fsutil.h"
+#include "lockstep/config.h"
+#include "lockstep/data.h"
+#include "lockstep/error.h"
+#include "lockstep/tools.h"
+
+namespace lockstep {
+namespace {
+
+// llm.c's GPT-2 shard: 256 x int32 header (magic, version, token count), uint16 tokens.
+std::string llmc_shard(const std::vector<uint8_t>& bytes, size_t lo, size_t hi) {
+  std::array<int32_t, 256> header{};
+  header[0] = 20240520;
+  header[1] = 1;
+  header[2] = static_cast<int32_t>(hi - lo);
+  std::string out(reinterpret_cast<const char*>(header.data()), sizeof header);
+  out.reserve(out.size() + 2 * (hi - lo));
+  for (size_t i = lo; i < hi; ++i) {
+    const uint16_t t = bytes[i];  // little-endian, as llm.c writes it with numpy
+    out.push_back(static_cast<char>(t & 0xff));
+    out.push_back(static_cast<char>(t >> 8));
+  }
+  return out;
+}
+
+std::vector<uint8_t> shard_input(const ShardOptions& o) {
+  if (o.input.empty()) {
+    auto source = make_synthetic_source(o.synthetic_tokens);
+    std::vector<int64_t> ids(static_cast<size_t>(source->size()));
+    source->read(0, 0, source->size(), ids.data());
+    return {ids.begin(), ids.end()};
+  }
+  const std::string text = fs::read_file(o.input);
+  return {text.begin(), text.end()};
+}
+
+// A value for JSON and the terminal: control bytes escaped, the rest as they are.
+std::string printable(const std::vector<int64_t>& tokens) {
+  std::string s;
+  for (int64_t t : tokens) {
+    if (t == '\n') s += "\\n";
+    else if (t == '\\') s += "\\\\";
+    else if (t < 0x20 || t >= 0x7f) s += fmt::format("\\x{:02x}", t);
+    else s += static_cast<char>(t);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string write_text_shards(const ShardOptions& o) {
+  if (!(o.val_fraction >= 0 && o.val_fraction < 1))
+    throw ConfigError("data shard --val-fraction must be in [0, 1)");
+  if (o.shard_tokens < 2 || o.shard_tokens > INT32_MAX)
+    throw ConfigError("data shard --shard-tokens must be in [2, 2147483647] (llm.c counts in int32)");
+  if (std::filesystem::exists(o.out) && !std::filesystem::is_empty(o.out))
+    throw InputError(fmt::format("data shard: '{}' is not empty; choose a new or empty folder "
+                                 "(nothing there is replaced)", o.out));
+  const std::vector<uint8_t> bytes = shard_input(o);
+  const size_t n = bytes.size();
+  const size_t n_val = static_cast<size_t>(static_cast<double>(n) * o.val_fraction);
+  if (n - n_val < 2 || (o.val_fraction > 0 && n_val < 2))
+    throw InputError(fmt::format("data shard: '{}' holds {} bytes, too few to split", o.input, n));
+  fs::make_dirs(o.out);
+  std::string report;
+  auto write = [&](const std::string& name, size_t lo, size_t hi) {
+    const std::string path = o.out + "/" + name;
+    fs::write_file_atomic(path, llmc_shard(bytes, lo, hi));
+    report += fmt::format("{}: {} tokens\n", path, hi - lo);
+  };
+  if (n_val > 0) write("val_000000.bin", 0, n_val);
+  int index = 1;
+  for (size_t lo = n_val; lo < n; lo += static_cast<size_t>(o.shard_tokens))
+    write(fmt::format("train_{:06d}.bin", index++), lo,
+          std::min(n, lo + static_cast<size_t>(o.shard_tokens)));
+  return report;
+}
+
+nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_t>& ids) {
+  const std::string config_path = run_dir + "/config.toml";
+  if (!fs::exists(config_path))
+    throw InputError(fmt::format("'{}' has no config.toml; pass a run folder (job.dump_folder) "
+                                 "of a run that started", run_dir));
+  const Config c = load_config_file(config_path);
+  const auto source = open_training_data(c);
+  const Sampler sampler(*source, {c.training.seq_len, 1, 0, 1, 0});
+  const bool text = source->byte_level() || c.model.vocab_size <= 256;
+  nlohmann::json out = nlohmann::json::array();
+  for (int64_t id : ids) {
+    const SampleLocation at = sampler.locate(id);
+    const Shard& shard = source->shards()[static_cast<size_t>(at.shard)];
+    std::vector<int64_t> tokens(static_cast<size_t>(c.training.seq_len + 1));
+    source->read(at.shard, at.start, c.training.seq_len + 1, tokens.data());
+    nlohmann::json j = {{"id", id},
+                        {"file", shard.name},
+                        {"format", shard.format},
+                        {"token_offset", at.start},
+                        {"byte_offset", shard.header_bytes + at.start * shard.width},
+                        {"tokens", tokens}};
+    if (text) j["text"] = printable(tokens);
+    out.push_back(j);
+  }
+  return out;
+}
+
+std::string format_samples(const nlohmann::json& samples) {
+  std::string out;
+  for (const auto& s : samples) {
+    out += fmt::format("sample {}: {} ({}), tokens [{}, {}) from byte {}\n", s["id"].get<int64_t>(),
+                       s["file"].get<std::string>(), s["format"].get<std::string>(),
+                       s["token_offset"].get<int64_t>(),
+                       s["token_offset"].get<int64_t>() + static_cast<int64_t>(s["tokens"].size()),
+                       s["byte_offset"].get<int64_t>());
+    if (s.contains("text")) out += fmt::format("  text:   \"{}\"\n", s["text"].get<std::string>());
+    out += fmt::format("  tokens: {}\n", fmt::join(s["tokens"].get<std::vector<int64_t>>(), " "));
+  }
+  return out;
+}
+
+}  // namespace lockstep

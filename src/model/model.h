@@ -1,0 +1,57 @@
+// The model interface the trainer uses: token ids in, logits out, named parameters. Models are
+// written directly on ATen ops (autograd records them), so parameters, their names and their
+// initialisation are explicit and no translation unit pays for torch::nn.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <vector>
+
+#include "lockstep/config.h"
+#include "lockstep/model_size.h"
+#include "tensors.h"
+
+namespace lockstep {
+
+class Model {
+ public:
+  explicit Model(const ModelConfig& config) : cfg_(config), size_(model_size(config)) {}
+  virtual ~Model() = default;
+
+  // idx (B, T) int64 -> logits (B, T, V). `train` enables dropout.
+  virtual at::Tensor forward(const at::Tensor& idx, bool train) const = 0;
+
+  // Every trainable tensor, in a fixed order, with its stable name (checkpoints, diagnostics,
+  // export). Data parallelism may move their storage (flat buffers, another dtype); the
+  // tensors stay the ones forward uses.
+  const std::vector<NamedTensor>& parameters() const { return params_; }
+  int64_t num_parameters() const;
+  const ModelConfig& config() const { return cfg_; }
+  // Training FLOPs per token at this sequence length (for MFU).
+  double flops_per_token(int64_t seq_len) const { return size_.flops_per_token(seq_len); }
+
+ protected:
+  // Registers a parameter (moved to `device`, requiring grad) and returns it.
+  at::Tensor add(const std::string& name, at::Tensor t, c10::Device device);
+
+  ModelConfig cfg_;
+  ModelSize size_;
+  std::vector<NamedTensor> params_;
+};
+
+// The model model.name names, its weights drawn on the CPU from `seed` (so every device and
+// rank starts from the same bits), then moved to `device`.
+std::unique_ptr<Model> make_model(const ModelConfig& config, uint64_t seed, c10::Device device);
+
+// (B) mean cross-entropy of each sequence of logits (B, T, V) against targets (B, T), in fp32
+// whatever the logits' dtype (a 16-bit softmax over the vocabulary loses the small
+// probabilities; torchtitan casts the same way). Their mean is the batch loss.
+at::Tensor sample_losses(const at::Tensor& logits, const at::Tensor& targets);
+
+// Causal self-attention of q, k, v (B, nh, T, hd) -> (B, nh, T, hd).
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double p_drop);
+
+}  // namespace lockstep
