@@ -37,13 +37,38 @@ lockstep::Config load(const std::string& file, const std::vector<std::string>& e
   return lockstep::load_config_file(file, overrides);
 }
 
-// `[FILE] [--section.key value ...]`: a first argument that is not an option is the file.
+// torchtitan's `--job.config_file FILE` (or `=FILE`) among the overrides: taken out, into `file`.
+std::vector<std::string> take_config_file(std::vector<std::string> args, std::string& file) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const bool spaced = a == "--job.config_file", joined = a.starts_with("--job.config_file=");
+    if (!spaced && !joined) continue;
+    if (spaced && i + 1 >= args.size())
+      throw lockstep::ConfigError("missing value for '--job.config_file'; write --job.config_file FILE");
+    const std::string value = spaced ? args[i + 1] : a.substr(a.find('=') + 1);
+    if (!file.empty() && file != value)
+      throw lockstep::ConfigError(fmt::format(
+          "two config files given ('{}' and '{}' by --job.config_file); give one", file, value));
+    file = value;
+    args.erase(args.begin() + static_cast<long>(i), args.begin() + static_cast<long>(i) + (spaced ? 2 : 1));
+    --i;
+  }
+  return args;
+}
+
+// `[FILE] [--section.key value ...]`: a first argument that is not an option is the file
+// (or --job.config_file FILE, as torchtitan spells it).
 std::vector<std::string> take_file(std::vector<std::string> args, std::string& file) {
   if (!args.empty() && args[0].rfind("--", 0) != 0) {
     file = args[0];
     args.erase(args.begin());
   }
-  return args;
+  return take_config_file(std::move(args), file);
+}
+
+// What the config reader noticed (torchtitan names read as lockstep's), on stderr.
+void print_notes(const lockstep::Config& config) {
+  for (const auto& n : config.notes) std::fprintf(stderr, "lockstep: note: %s\n", n.c_str());
 }
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
@@ -75,7 +100,7 @@ struct Cli {
 
 void add_train_and_config(Cli& c) {
   c.train = c.app.add_subcommand("train", "Train a model");
-  c.train->add_option("--config", c.train_config, "TOML config file (default: the built-in defaults, configs/default.toml)")
+  c.train->add_option("--config", c.train_config, "TOML config file (default: the built-in defaults, configs/default.toml); torchtitan's --job.config_file FILE works too")
       ->check(CLI::ExistingFile);
   auto* config = c.app.add_subcommand("config", "Inspect configuration");
   config->require_subcommand(1);
@@ -276,13 +301,16 @@ int config_command(Cli& c) {
   std::string file;
   if (*c.show) {
     auto rest = take_file(c.show->remaining(), file);
-    std::cout << lockstep::to_toml(load(file, rest));
+    const lockstep::Config config = load(file, rest);
+    print_notes(config);
+    std::cout << lockstep::to_toml(config);
   } else if (*c.check) {
     auto rest = take_file(c.check->remaining(), file);
     if (file.empty())
       throw lockstep::ConfigError("config check needs a file: lockstep config check FILE "
                                   "[--section.key value ...]");
     const lockstep::Config config = load(file, rest);
+    print_notes(config);
     fmt::print("{}: ok\n{}", file, lockstep::describe_model_size(config));
   } else if (*c.keys) {
     std::cout << lockstep::config_reference_markdown();
@@ -295,7 +323,9 @@ int config_command(Cli& c) {
 
 int run(Cli& c) {
   if (*c.train) {
-    lockstep::train(load(c.train_config, c.train->remaining()));
+    std::string file = c.train_config;
+    auto rest = take_config_file(c.train->remaining(), file);
+    lockstep::train(load(file, rest));
     return 0;
   }
   if (*c.show || *c.check || *c.keys || *c.faults) return config_command(c);

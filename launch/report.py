@@ -1,7 +1,7 @@
 """lockstep report: pictures of a run directory (embedded in the lockstep binary).
 
 Usage: python report.py RUN_DIR OUT_PNG
-Reads RUN_DIR/metrics.jsonl and RUN_DIR/diagnostics/rank*.jsonl; draws loss, grad norm with its
+Reads RUN_DIR/metrics.jsonl and RUN_DIR/diagnostics/rank*.jsonl; draws loss (and validation loss), grad norm with its
 thresholds and z-band, LR, skip markers, and a per-rank anomaly timeline.
 """
 import glob
@@ -46,7 +46,9 @@ def main():
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path):
         sys.exit(f"lockstep report: no {metrics_path}; pass a lockstep run directory (job.dump_folder)")
-    metrics = [m for m in read_jsonl(metrics_path) if "event" not in m]  # resume/rewind records
+    records = read_jsonl(metrics_path)
+    metrics = [m for m in records if "event" not in m]  # resume/rewind/validation records apart
+    validation = [m for m in records if m.get("event") == "validation"]
     # A resumed run appends: keep the last record of each step.
     by_step = {m["step"]: m for m in metrics}
     steps = sorted(by_step)
@@ -87,6 +89,9 @@ def main():
     fin = [(s, v) for s, v in ev_loss if math.isfinite(v)]
     if fin:
         ax_loss.scatter(*zip(*fin), color="tab:red", marker="x", zorder=3, label="skipped step's loss")
+    if validation:
+        ax_loss.plot([v["step"] for v in validation], [number(v["val_loss"]) for v in validation],
+                     color="tab:green", marker="o", ms=3, lw=1.2, label="validation loss")
     ax_loss.set_ylabel("loss")
     ax_loss.set_yscale("log")
     mark(ax_loss)
@@ -154,7 +159,8 @@ def main():
     tmp = out + ".tmp.png"
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, out)
-    print(f"lockstep report: wrote {out} ({len(steps)} logged steps, {len(events)} events, {len(skips)} skips)")
+    print(f"lockstep report: wrote {out} ({len(steps)} logged steps, {len(validation)} validations, "
+          f"{len(events)} events, {len(skips)} skips)")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,14 @@
 // non-zero (or restarts them all, up to --max-restarts).
 //
 //   lockstep-run --nproc-per-node 2 -- build/bin/lockstep train --config my.toml
+//   lockstep-run --standalone --nproc_per_node 2 build/bin/lockstep train   (torchrun's form)
 #include <CLI/CLI.hpp>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -41,6 +45,7 @@ struct Options {
   double grace_seconds = 10;
   std::string master_addr = "127.0.0.1";
   std::vector<std::string> command;
+  bool standalone = false, no_python = false;
 };
 
 std::string describe(int status) {
@@ -233,11 +238,22 @@ int run_attempt(const Options& o, int attempt, bool& failed) {
   }
 }
 
-}  // namespace
+// A free TCP port on the loopback interface (--standalone).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  int port = 29500;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+    port = ntohs(addr.sin_port);
+  if (fd >= 0) ::close(fd);
+  return port;
+}
 
-int main(int argc, char** argv) {
-  Options o;
-  CLI::App app{"lockstep-run: start N workers with torchrun's environment contract", "lockstep-run"};
+void add_options(CLI::App& app, Options& o) {
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc, "Workers on this node")
       ->check(CLI::Range(1, 4096))
       ->required();
@@ -258,20 +274,52 @@ int main(int argc, char** argv) {
   app.add_option("--grace-seconds", o.grace_seconds,
                  "After a failure or signal: time the others get to stop before SIGKILL")
       ->capture_default_str();
-  app.add_option("command", o.command, "The worker command, after --")->required();
+  app.add_flag("--standalone", o.standalone,
+               "One node, the store on 127.0.0.1 at a free port (torchrun's --standalone)");
+  app.add_flag("--no-python,--no_python", o.no_python,
+               "Accepted as torchrun spells it: the command always runs as given");
+  // torchrun's form: everything from the first non-option on is the worker command (a `--`
+  // before it is allowed too).
+  app.prefix_command();
   app.footer("Exit code: 0 when every worker succeeded; else the first failed worker's exit "
              "code (128 + signal if it was killed), or 128 + signal when lockstep-run itself "
              "was interrupted.");
+}
+
+// Parses the command line into `o`; returns -1 to go on, else the exit code.
+int parse(int argc, char** argv, Options& o) {
+  CLI::App app{"lockstep-run: start N workers with torchrun's environment contract; the worker command follows the options (after `--`, or as torchrun takes it)", "lockstep-run"};
+  add_options(app, o);
   try {
     app.parse(argc, argv);
+    o.command = app.remaining();
+    const bool dashed = !o.command.empty() && o.command.front() == "--";
+    if (dashed) o.command.erase(o.command.begin());
+    if (o.command.empty()) throw CLI::ValidationError("command", "no worker command given");
+    if (!dashed && o.command.front().starts_with("-"))
+      throw CLI::ValidationError(o.command.front(), "is not an option of lockstep-run");
     if (o.node_rank >= o.nnodes)
       throw CLI::ValidationError("--node-rank", "must be below --nnodes");
+    if (o.standalone && o.nnodes != 1)
+      throw CLI::ValidationError("--standalone", "runs one node; drop --nnodes");
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "lockstep-run: error: %s; run `lockstep-run --help`\n", e.what());
     return 2;
   }
+  if (o.standalone) {
+    o.master_addr = "127.0.0.1";
+    if (app.count("--master-port") == 0) o.master_port = free_port();
+  }
+  return -1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (const int code = parse(argc, argv, o); code >= 0) return code;
 
   struct sigaction sa {};
   sa.sa_handler = on_signal;

@@ -470,9 +470,41 @@ const Field* find_field(std::string_view name) {
   return nullptr;
 }
 
+// torchtitan's spellings of lockstep keys (older names, or names in other sections): read as
+// the lockstep key, with a note naming it.
+struct Alias {
+  std::string_view theirs, ours;
+};
+constexpr std::array<Alias, 6> kAliases = {{
+    {"training.warmup_steps", "lr_scheduler.warmup_steps"},
+    {"training.batch_size", "training.local_batch_size"},
+    {"training.dataset_path", "data.path"},
+    {"checkpoint.enable_checkpoint", "checkpoint.enable"},
+    {"lr_scheduler.lr_min", "lr_scheduler.min_lr_factor"},
+    {"debug.seed", "training.seed"},
+}};
+
+// The field `name` names, directly or as a torchtitan alias (noted in `c`); null if none.
+const Field* resolve_key(const std::string& name, Config& c) {
+  if (const Field* f = find_field(name)) return f;
+  for (const Alias& a : kAliases)
+    if (a.theirs == name) {
+      c.notes.push_back(fmt::format("config key '{}' (torchtitan's name) is read as lockstep's "
+                                    "'{}'; write that to silence this note", name, a.ours));
+      return find_field(a.ours);
+    }
+  return nullptr;
+}
+
 std::string unknown_key_message(const std::string& name, const std::string& where) {
   std::string msg = fmt::format("unknown config key '{}' {}", name, where);
-  std::string hint = nearest(name, all_names());
+  // Aliases first: on a tie the torchtitan spelling a user typed wins.
+  std::vector<std::string> candidates;
+  for (const Alias& a : kAliases) candidates.emplace_back(a.theirs);
+  for (auto& n : all_names()) candidates.push_back(std::move(n));
+  std::string hint = nearest(name, candidates);
+  for (const Alias& a : kAliases)
+    if (a.theirs == hint) hint = std::string(a.ours);
   if (hint.empty()) {
     auto dot = name.find('.');
     std::string section = dot == std::string::npos ? name : name.substr(0, dot);
@@ -753,16 +785,15 @@ Config load_config(std::string_view toml_text, const std::string& origin,
     for (const auto& [key, node] : *sec) {
       std::string name = section + "." + std::string(key.str());
       std::string where = where_in_file(origin, node.source());
-      const Field* f = find_field(name);
+      const Field* f = resolve_key(name, c);
       if (!f) throw ConfigError(unknown_key_message(name, where));
       check_and_set(c, *f, from_toml(*f, node, where), where);
     }
   }
   for (const auto& [name, text] : overrides) {
     std::string where = fmt::format("(from --{})", name);
-    const Field* f = find_field(name);
+    const Field* f = resolve_key(name, c);
     if (!f) throw ConfigError(unknown_key_message(name, "on the command line"));
-
     check_and_set(c, *f, from_text(*f, text, where), where);
   }
   validate_cross(c);

@@ -11,6 +11,7 @@
 #include "log.h"
 #include "diag/metrics.h"
 #include "runtime.h"
+#include "text.h"
 
 namespace lockstep {
 namespace {
@@ -89,6 +90,7 @@ double peak_flops(const Config& c, c10::Device device) {
 void log_setup(const Job& j) {
   const Config& c = j.config;
   const TrainingConfig& t = c.training;
+  for (const std::string& note : c.notes) log::info("{}", note);
   if (j.peak_flops > 0)
     log::info("MFU: {:.3g} training FLOPs per token against {:g} TFLOP/s per device",
               j.model->flops_per_token(t.seq_len), j.peak_flops / 1e12);
@@ -215,7 +217,7 @@ void resume(Job& j) {
     start_fresh(j);
   j.state.world_size = j.ranks.world_size;
   log::info("lockstep: model {}, {} parameters, device {}, {} threads, data: {}",
-            name_of(j.config.model.name), j.model->num_parameters(), j.device.str(),
+            name_of(j.config.model.name), with_commas(j.model->num_parameters()), j.device.str(),
             at::get_num_threads(), j.source->describe());
   // Every rank starts from rank 0's weights (identical by construction: same seed, same
   // checkpoint; the broadcast makes it so whatever happened). Moving a whole model may take

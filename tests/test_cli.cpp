@@ -269,6 +269,28 @@ TEST(LockstepRun, TrainsTwoRanksWithRankPrefixedOutput) {
   EXPECT_EQ(o.crcs[0], o.crcs[1]);
 }
 
+// torchrun's habits: the worker command without `--`, --standalone (a free port on loopback),
+// --no-python, and torchtitan's --job.config_file; an unknown option is refused, not run.
+TEST(LockstepRun, TakesTorchrunsFormAndTorchtitansConfigFlag) {
+  lockstep::test::TempDir dir;
+  lockstep::test::write_bytes(dir / "job.toml", "[training]\nsteps = 4\nbatch_size = 4\n"
+                                                "[checkpoint]\nenable_checkpoint = false\n");
+  CliRun r = launcher("--standalone --no-python --nproc_per_node 2 " + std::string(LOCKSTEP_BIN) +
+                      " train --job.config_file " + dir / "job.toml" + " --job.dump_folder " +
+                      dir / "run" + " --model.dim 32 --model.n_heads 2");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("step      4/4"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("global batch 4 x 1 x 2 ranks"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("read as lockstep's 'training.local_batch_size'"), std::string::npos) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "run/checkpoint"));
+  r = launcher("--nproc-per-node 2 --bogus " + std::string(LOCKSTEP_BIN));
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--bogus: is not an option of lockstep-run"), std::string::npos) << r.out;
+  r = launcher("--nproc-per-node 2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("no worker command given"), std::string::npos) << r.out;
+}
+
 TEST(LockstepRun, AFailedWorkerStopsTheOthersAndIsReported) {
   const auto start = std::chrono::steady_clock::now();
   CliRun r = launcher(

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -250,4 +251,28 @@ TEST(Config, JsonHasEverySectionAndKey) {
   EXPECT_GT(keys, 60);
   EXPECT_EQ(j["parallelism"]["mode"], "ddp");  // choices as their names
   EXPECT_EQ(j["fault"]["random_kinds"], "nan_grad, inf_grad, nan_loss, spike");
+}
+
+// torchtitan's spellings are read as lockstep's keys, each with a note naming the lockstep key;
+// a misspelt torchtitan name is pointed at the lockstep key it means.
+TEST(Config, TorchtitanNamesAreReadWithANote) {
+  Config c = load_config(
+      "[training]\nwarmup_steps = 7\nbatch_size = 3\ndataset_path = \"a.bin\"\n"
+      "[checkpoint]\nenable_checkpoint = false\n[lr_scheduler]\nlr_min = 0.2\n[debug]\nseed = 9\n"
+      "[data]\nsource = \"file\"\n",
+      "tt.toml");
+  EXPECT_EQ(c.lr_scheduler.warmup_steps, 7);
+  EXPECT_EQ(c.training.local_batch_size, 3);
+  EXPECT_EQ(c.data.path, std::vector<std::string>{"a.bin"});
+  EXPECT_FALSE(c.checkpoint.enable);
+  EXPECT_DOUBLE_EQ(c.lr_scheduler.min_lr_factor, 0.2);
+  EXPECT_EQ(c.training.seed, 9);
+  ASSERT_EQ(c.notes.size(), 6u);
+  const std::string note = "config key 'training.warmup_steps' (torchtitan's name) is read as "
+                           "lockstep's 'lr_scheduler.warmup_steps'; write that to silence this note";
+  EXPECT_NE(std::find(c.notes.begin(), c.notes.end(), note), c.notes.end());
+  EXPECT_TRUE(lockstep::default_config().notes.empty());
+  // The case: this used to hint 'training.steps'.
+  std::string m = error_of("", {{"training.warmup_step", "5"}});
+  EXPECT_NE(m.find("did you mean 'lr_scheduler.warmup_steps'"), std::string::npos) << m;
 }

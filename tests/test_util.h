@@ -15,6 +15,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <regex>
+#include <sstream>
+
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -169,6 +172,40 @@ inline std::string launch_command(int world, const std::string& args, Launcher l
   if (launcher == Launcher::kMpirunMpi) cmd += " --parallelism.backend mpi";
   if (launcher == Launcher::kMpirunGloo) cmd += " --parallelism.backend gloo";
   return cmd;
+}
+
+// A README line as a pattern: "[...]" and "..." stand for anything, a number for any number.
+inline std::regex pattern_of(const std::string& line) {
+  static const std::regex special(R"([.^$|()\[\]{}*+?\\])");
+  static const std::regex number(R"(-?[0-9]+(\\\.[0-9]+)?(e[-+][0-9]+)?)");
+  std::string p = std::regex_replace(line, special, R"(\$&)");
+  p = std::regex_replace(p, std::regex(R"(\\\[\\\.\\\.\\\.\\\])"), "@ANY@");
+  p = std::regex_replace(p, std::regex(R"(\\\.\\\.\\\.)"), "@ANY@");
+  p = std::regex_replace(p, number, "@NUM@");
+  p = std::regex_replace(p, std::regex("@NUM@"), R"(-?[0-9]+(\.[0-9]+)?(e[-+][0-9]+)?)");
+  p = std::regex_replace(p, std::regex("@ANY@"), ".*");
+  return std::regex(p);
+}
+
+// The "[rank 0] [...] ..." lines of the README section that starts with `heading`.
+inline std::vector<std::string> readme_log_lines(const std::string& heading) {
+  std::istringstream readme(read_text(LOCKSTEP_SOURCE_DIR "/README.md"));
+  std::vector<std::string> out;
+  std::string section;
+  for (std::string line; std::getline(readme, line);) {
+    if (line.rfind("## ", 0) == 0) section = line;
+    if (section == heading && line.rfind("[rank 0] [...] ", 0) == 0) out.push_back(line);
+  }
+  return out;
+}
+
+// Whether some line of `output` matches `pattern_of(line)`.
+inline bool printed(const std::string& output, const std::string& line) {
+  const std::regex re = pattern_of(line);
+  std::istringstream in(output);
+  for (std::string l; std::getline(in, l);)
+    if (std::regex_match(l, re)) return true;
+  return false;
 }
 
 // Runs it; returns the launcher's exit code and output.

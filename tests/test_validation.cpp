@@ -1,12 +1,15 @@
-// Validation, llm.c shards written by `lockstep data shard`, and `lockstep data show`, through
-// the real binary: the held-out loss is the same on 1 and 2 ranks and lands in the progress
-// line and metrics; the shards are llm.c's format byte for byte; a sample id leads back to its
-// file, offset and text; the llama3 debug config trains on 2 ranks from shards with validation.
+// Validation, model FLOPs utilisation, llm.c shards written by `lockstep data shard`, and
+// `lockstep data show`, through the real binary: the held-out loss is the same on 1 and 2 ranks
+// and lands in the progress line, metrics and report; MFU is tokens/s x FLOPs per token over
+// the peak; the shards are llm.c's format byte for byte; a sample id leads back to its file,
+// offset and text; the llama3 debug config trains on 2 ranks from shards with validation.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 
+#include "diag/metrics.h"
+#include "lockstep/model_size.h"
 #include "test_util.h"
 
 using namespace lockstep;
@@ -64,6 +67,10 @@ TEST(Validation, SameLossOnOneAndTwoRanksInMetricsAndProgress) {
   EXPECT_LT(a[1]["val_loss"].get<double>(), a[0]["val_loss"].get<double>());  // it learns
   EXPECT_NE(one.out.find("validation at step 5: loss"), std::string::npos) << one.out;
   EXPECT_NE(one.out.find("| val "), std::string::npos) << one.out;  // in later progress lines
+  // ... and in the report picture.
+  const auto rep = test::run_lockstep("report " + (dir / "one"));
+  ASSERT_EQ(rep.code, 0) << rep.out;
+  EXPECT_NE(rep.out.find("2 validations"), std::string::npos) << rep.out;
 }
 
 TEST(DataShard, WritesLlmcShardsOfTheTextByteForByte) {
@@ -143,4 +150,49 @@ TEST(Llama3Debug, TrainsOnTwoRanksFromShardsWithValidation) {
   ASSERT_EQ(v.size(), 2u);
   EXPECT_LT(v[1]["val_loss"].get<double>(), v[0]["val_loss"].get<double>());
   EXPECT_LT(v[1]["val_loss"].get<double>(), 3.0);  // ln(256) = 5.5 at the start
+  // The README's excerpt of this run is in the form this run prints.
+  const auto lines = test::readme_log_lines("## Your data, your model");
+  ASSERT_GE(lines.size(), 2u);
+  for (const auto& line : lines)
+    EXPECT_TRUE(test::printed(r.out, line)) << "README line not printed by the run:\n" << line;
+}
+
+// The peak table by CUDA device name and compute dtype (NVIDIA's dense tensor-core figures).
+TEST(Mfu, PeakFlopsOfKnownGpus) {
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA H100 80GB HBM3", Precision::kBFloat16, true), 989.4e12);
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA H100 PCIe", Precision::kBFloat16, true), 756e12);
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA H200", Precision::kFloat16, true), 989.4e12);
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA A100-SXM4-80GB", Precision::kFloat32, true), 156e12);
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA A100-SXM4-80GB", Precision::kFloat32, false), 19.5e12);
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA A10", Precision::kBFloat16, true), 125e12);
+  EXPECT_DOUBLE_EQ(known_peak_flops("NVIDIA L40S", Precision::kBFloat16, true), 362e12);
+  EXPECT_EQ(known_peak_flops("Some Future GPU", Precision::kBFloat16, true), 0);
+}
+
+// On a CPU MFU appears only with metrics.peak_tflops, and is what the definition says.
+TEST(Mfu, InTheProgressLineAndMetricsWhenThePeakIsGiven) {
+  TempDir dir;
+  auto r = test::run_lockstep("train --job.dump_folder " + (dir / "a") + kTinyLlama +
+                              " --training.steps 10 --checkpoint.enable false --metrics.peak_tflops 0.5");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("| MFU "), std::string::npos) << r.out;
+  ModelConfig m;
+  m.name = ModelName::kLlama;
+  m.dim = 64;
+  m.n_layers = 2;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.multiple_of = 32;
+  const double flops = model_size(m).flops_per_token(32);
+  const auto records = test::read_jsonl(dir / "a/metrics.jsonl");
+  ASSERT_EQ(records.size(), 2u);
+  for (const auto& rec : records) {
+    const double want = rec["tokens_per_s"].get<double>() * flops / 0.5e12;
+    EXPECT_NEAR(rec["mfu"].get<double>(), want, 1e-9 * want);
+  }
+  r = test::run_lockstep("train --job.dump_folder " + (dir / "b") + kTinyLlama +
+                         " --training.steps 5 --checkpoint.enable false");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.find("MFU"), std::string::npos) << r.out;
+  EXPECT_TRUE(test::read_jsonl(dir / "b/metrics.jsonl").at(0)["mfu"].is_null());
 }

@@ -216,6 +216,9 @@ struct Config {
   SkipConfig skip;
   DiagnosticsConfig diagnostics;
   FaultConfig fault;
+  // Not keys: what the reader noticed and went on with (a torchtitan key name read as
+  // lockstep's), for the log and `config check`.
+  std::vector<std::string> notes;
 };
 
 // training.loss_scale, read: none, dynamic (from loss_scale_init), or a fixed positive number.
