@@ -97,27 +97,35 @@ cat "$out/bench_gradcheck.txt"
   || status=1
 tail -3 "$out/train_gpu.log" | tee -a "$out/summary.txt"
 
-# --- a larger GPT in bf16 and in fp32 (TF32): tokens/s and model FLOPs utilisation ------------
-gpu_model=(--model.dim 1024 --model.n_layers 12 --model.n_heads 16 --model.max_seq_len 1024
+# --- a larger GPT in bf16 and fp32 (TF32), and a 0.8 B Llama in bf16: tokens/s and MFU ----------
+# (the trainer's MFU: torchtitan's FLOPs per token against the known peak of this GPU)
+gpt_model=(--model.dim 1024 --model.n_layers 12 --model.n_heads 16 --model.max_seq_len 1024
            --training.seq_len 1024 --training.local_batch_size 8 --checkpoint.enable false
            --training.steps 60 --metrics.log_freq 20)
+llama_model=(--model.name llama --model.dim 2048 --model.n_layers 16 --model.n_heads 16
+             --model.n_kv_heads 8 --model.rope_theta 500000 --model.max_seq_len 2048
+             --training.seq_len 2048 --training.local_batch_size 4 --checkpoint.enable false
+             --training.steps 40 --metrics.log_freq 10)
+throughput() {  # name, log: the last progress line's tok/s and MFU
+  python3 - "$2" "$1" <<'PY' | tee -a "$out/summary.txt"
+import re, sys
+text, name = open(sys.argv[1]).read(), sys.argv[2]
+params = re.search(r"model \w+, ([\d,]+) parameters", text)
+tok_s = re.findall(r"tok/s (\d+)", text)
+mfu = re.findall(r"MFU ([\d.]+)%", text)
+print(f"{name}: {params.group(1) if params else '?'} parameters, "
+      f"{tok_s[-1] if tok_s else '?'} tok/s, MFU {mfu[-1] + '%' if mfu else '?'}")
+PY
+}
 for precision in bfloat16 float32; do
   "$build/bin/lockstep" train --training.device cuda --training.mixed_precision_param "$precision" \
-    "${gpu_model[@]}" --job.dump_folder "$build/run-gpu-$precision" >"$out/train_gpu_$precision.log" 2>&1 \
+    "${gpt_model[@]}" --job.dump_folder "$build/run-gpu-$precision" >"$out/train_gpu_$precision.log" 2>&1 \
     || status=1
-  python3 - "$out/train_gpu_$precision.log" "$precision" <<'PY' | tee -a "$out/summary.txt"
-import re, sys
-text, precision = open(sys.argv[1]).read(), sys.argv[2]
-n = int(re.search(r"lockstep: (\d+) parameters", text).group(1))
-tok_s = float(re.findall(r"tok/s (\d+)", text)[-1])
-layers, seq, dim = 12, 1024, 1024
-flops_per_token = 6 * n + 12 * layers * seq * dim  # matmuls fwd + bwd, attention scores
-peak = 989e12  # H200 SXM, dense bf16 (TF32: half of it)
-if precision == "float32":
-    peak /= 2
-print(f"{precision} GPT ({n / 1e6:.0f} M parameters, seq {seq}, batch 8): {tok_s:.0f} tok/s, "
-      f"MFU {flops_per_token * tok_s / peak:.1%} of {peak / 1e12:.0f} TFLOP/s")
-PY
+  throughput "GPT seq 1024 batch 8 $precision" "$out/train_gpu_$precision.log"
 done
+"$build/bin/lockstep" train --training.device cuda --training.mixed_precision_param bfloat16 \
+  "${llama_model[@]}" --job.dump_folder "$build/run-gpu-llama" >"$out/train_gpu_llama.log" 2>&1 \
+  || status=1
+throughput "Llama seq 2048 batch 4 bfloat16" "$out/train_gpu_llama.log"
 log "done, status $status"
 exit $status

@@ -7,11 +7,14 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/ones_like.h>
 #include <ATen/ops/outer.h>
+#include <ATen/ops/polar.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rms_norm.h>
 #include <ATen/ops/silu.h>
-#include <ATen/ops/stack.h>
+#include <ATen/ops/view_as_complex.h>
+#include <ATen/ops/view_as_real.h>
 
 #include <cmath>
 
@@ -74,17 +77,15 @@ Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device) : Mod
   at::Tensor inv = at::pow(cfg_.rope_theta, at::arange(0, hd, 2, f32).div(static_cast<double>(hd)))
                        .reciprocal();
   at::Tensor angles = at::outer(at::arange(cfg_.max_seq_len, f32), inv);  // (T, hd / 2)
-  cos_ = angles.cos().to(device);
-  sin_ = angles.sin().to(device);
+  rotation_ = at::polar(at::ones_like(angles), angles).to(device);  // e^(i angle), complex64
 }
 
 at::Tensor Llama::rotate(const at::Tensor& x) const {
+  // Each pair (2i, 2i + 1) as a complex number times e^(i t theta_i): one complex product, as
+  // torchtitan computes it.
   const int64_t T = x.size(1), half = x.size(3) / 2;
-  at::Tensor pairs = x.to(at::kFloat).unflatten(3, {half, 2});  // (B, T, H, hd / 2, 2)
-  at::Tensor a = pairs.select(4, 0), b = pairs.select(4, 1);
-  at::Tensor c = cos_.slice(0, 0, T).view({1, T, 1, half});
-  at::Tensor s = sin_.slice(0, 0, T).view({1, T, 1, half});
-  return at::stack({a.mul(c).sub(b.mul(s)), a.mul(s).add(b.mul(c))}, 4)
+  at::Tensor pairs = at::view_as_complex(x.to(at::kFloat).unflatten(3, {half, 2}).contiguous());
+  return at::view_as_real(pairs.mul(rotation_.slice(0, 0, T).view({1, T, 1, half})))
       .flatten(3)
       .to(x.scalar_type());
 }

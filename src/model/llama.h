@@ -23,7 +23,7 @@ class Llama final : public Model {
 
   at::Tensor tok_embeddings_, norm_, output_;
   std::vector<Layer> layers_;
-  at::Tensor cos_, sin_;  // (max_seq_len, hd / 2) fp32: not parameters
+  at::Tensor rotation_;  // (max_seq_len, hd / 2) complex64 e^(i t theta_i): not a parameter
 };
 
 }  // namespace lockstep
