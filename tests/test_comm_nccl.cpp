@@ -74,6 +74,27 @@ TEST(GpuTraining, OneRankOnOneGpu) {
   expect_trained(dir / "run", 1);
 }
 
+// The Llama model on a GPU in bf16 with validation; MFU shown for a GPU of the peak table; the
+// checkpoint exports and samples on the CPU.
+TEST(GpuTraining, LlamaInBf16WithValidationAndMfu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  test::TempDir dir;
+  auto r = test::capture(std::string(LOCKSTEP_BIN) + " " +
+                         train_args(dir / "run", "--model.name llama --model.n_kv_heads 1 "
+                                                 "--model.multiple_of 32 "
+                                                 "--training.mixed_precision_param bfloat16 "
+                                                 "--validation.enable true --validation.freq 6"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  expect_trained(dir / "run", 1);
+  EXPECT_NE(r.out.find("validation at step 12: loss"), std::string::npos) << r.out;
+  if (r.out.find("no peak FLOP/s known") == std::string::npos)
+    EXPECT_NE(r.out.find("| MFU "), std::string::npos) << r.out;
+  auto e = test::capture(std::string(LOCKSTEP_BIN) + " export " + dir / "run" + " " + dir / "hf");
+  EXPECT_EQ(e.code, 0) << e.out;
+  auto g = test::capture(std::string(LOCKSTEP_BIN) + " generate " + dir / "run" + " --tokens 8");
+  EXPECT_EQ(g.code, 0) << g.out;
+}
+
 TEST(GpuTraining, TwoRanksSharingOneGpuOverGloo) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   for (const char* mode : {"ddp", "sharded"}) {
