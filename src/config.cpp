@@ -93,12 +93,19 @@ struct Field {
 template <typename S>
 using Section = S Config::*;
 
+// A field read and written as the member's own type T (the Value alternative of that type).
+template <typename S, typename T>
+Field bound_field(const char* section, const char* key, Type type, Section<S> sec, T S::*m,
+                  const char* help) {
+  return Field{section, key, type, help,
+               [=](const Config& c) { return Value{(c.*sec).*m}; },
+               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<T>(v); }};
+}
+
 template <typename S>
 Field int_field(const char* section, const char* key, Section<S> sec, int64_t S::*m, double min,
                 double max, const char* help) {
-  Field f{section, key, Type::kInt, help,
-          [=](const Config& c) { return Value{(c.*sec).*m}; },
-          [=](Config& c, const Value& v) { (c.*sec).*m = std::get<int64_t>(v); }};
+  Field f = bound_field(section, key, Type::kInt, sec, m, help);
   f.min = min;
   f.max = max;
   return f;
@@ -107,9 +114,7 @@ Field int_field(const char* section, const char* key, Section<S> sec, int64_t S:
 template <typename S>
 Field float_field(const char* section, const char* key, Section<S> sec, double S::*m, double min,
                   bool min_exclusive, double max, const char* help) {
-  Field f{section, key, Type::kFloat, help,
-          [=](const Config& c) { return Value{(c.*sec).*m}; },
-          [=](Config& c, const Value& v) { (c.*sec).*m = std::get<double>(v); }};
+  Field f = bound_field(section, key, Type::kFloat, sec, m, help);
   f.min = min;
   f.min_exclusive = min_exclusive;
   f.max = max;
@@ -119,26 +124,20 @@ Field float_field(const char* section, const char* key, Section<S> sec, double S
 template <typename S>
 Field bool_field(const char* section, const char* key, Section<S> sec, bool S::*m,
                  const char* help) {
-  return Field{section, key, Type::kBool, help,
-               [=](const Config& c) { return Value{(c.*sec).*m}; },
-               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<bool>(v); }};
+  return bound_field(section, key, Type::kBool, sec, m, help);
 }
 
 template <typename S>
 Field string_field(const char* section, const char* key, Section<S> sec, std::string S::*m,
                    const char* help) {
-  return Field{section, key, Type::kString, help,
-               [=](const Config& c) { return Value{(c.*sec).*m}; },
-               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<std::string>(v); }};
+  return bound_field(section, key, Type::kString, sec, m, help);
 }
 
 // A list of strings: a TOML array (or one string); comma-separated on the command line.
 template <typename S>
 Field list_field(const char* section, const char* key, Section<S> sec, Strings S::*m,
                  const char* help) {
-  return Field{section, key, Type::kList, help,
-               [=](const Config& c) { return Value{(c.*sec).*m}; },
-               [=](Config& c, const Value& v) { (c.*sec).*m = std::get<Strings>(v); }};
+  return bound_field(section, key, Type::kList, sec, m, help);
 }
 
 // A choice: the file spells it as one of choice_names<E>(), the struct holds the enum.
