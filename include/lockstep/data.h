@@ -36,7 +36,8 @@ class TokenSource {
   // file and offset when the read fails (a file truncated while training) or a token is not
   // below the vocabulary.
   virtual void read(int64_t shard, int64_t start, int64_t n, int64_t* out) const = 0;
-  // True when every token is one byte of text (printable by `lockstep data show`).
+  // True when every token is one byte of text (printable by `lockstep data show`): byte files,
+  // or any files read with a vocabulary of at most 256.
   virtual bool byte_level() const = 0;
   std::string describe() const;
   // What the reader noticed and went on with ("a .bin read as bytes", ...), for the log.

@@ -195,8 +195,11 @@ class FileSource final : public TokenSource {
             s.name, out[i], start + i, offset + i * s.width, vocab_, s.format));
   }
 
+  // Bytes on disk, or wider ids that read() guarantees are below a byte vocabulary (the
+  // byte-level llm.c shards `lockstep data shard` writes).
   bool byte_level() const override {
-    return std::all_of(shards_.begin(), shards_.end(), [](const Shard& s) { return s.width == 1; });
+    return vocab_ <= 256 ||
+           std::all_of(shards_.begin(), shards_.end(), [](const Shard& s) { return s.width == 1; });
   }
 
  private:

@@ -96,7 +96,6 @@ nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_
   const Config c = load_config_file(config_path);
   const auto source = open_training_data(c);
   const Sampler sampler(*source, {c.training.seq_len, 1, 0, 1, 0});
-  const bool text = source->byte_level() || c.model.vocab_size <= 256;
   nlohmann::json out = nlohmann::json::array();
   for (int64_t id : ids) {
     const SampleLocation at = sampler.locate(id);
@@ -109,7 +108,7 @@ nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_
                         {"token_offset", at.start},
                         {"byte_offset", shard.header_bytes + at.start * shard.width},
                         {"tokens", tokens}};
-    if (text) j["text"] = printable(tokens);
+    if (source->byte_level()) j["text"] = printable(tokens);
     out.push_back(j);
   }
   return out;
