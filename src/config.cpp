@@ -45,6 +45,10 @@ LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded")
 LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
 LOCKSTEP_CHOICES(ReducePrecision, "float32", "bfloat16")
 LOCKSTEP_CHOICES(OnExisting, "refuse", "archive", "overwrite")
+LOCKSTEP_CHOICES(OnGlobalSpike, "clip", "skip", "abort")
+LOCKSTEP_CHOICES(SkipScope, "step", "rank")
+LOCKSTEP_CHOICES(Replay, "off", "self", "peer")
+LOCKSTEP_CHOICES(OnHardwareFault, "warn", "abort")
 #undef LOCKSTEP_CHOICES
 
 namespace {
@@ -396,6 +400,28 @@ void skip_fields(std::vector<Field>& t) {
                           "exceed this share of it; 0 = off"));
   t.push_back(int_field("skip", "fraction_window", &C::skip, &S::fraction_window, 1, 1 << 20,
                         "steps over which max_fraction counts skips"));
+  t.push_back(choice_field("skip", "on_global_spike", &C::skip, &S::on_global_spike,
+                           "an anomaly on most ranks' own values (the model or optimizer, not "
+                           "a batch): clip = take the step clipped to the window's bound; skip; "
+                           "abort"));
+  t.push_back(choice_field("skip", "scope", &C::skip, &S::scope,
+                           "a local anomaly (a minority of ranks): step = skip the whole step; "
+                           "rank = those ranks contribute nothing and the rest step (one more "
+                           "small collective before the gradient sync)"));
+  t.push_back(float_field("skip", "max_dropped_fraction", &C::skip, &S::max_dropped_fraction, 0,
+                          false, 1,
+                          "scope = rank: drop at most this share of the ranks, else skip the "
+                          "step"));
+  t.push_back(choice_field("skip", "replay", &C::skip, &S::replay,
+                           "on a local anomaly recompute the culprit's batch: self = on its own "
+                           "device (data or transient fault), peer = also on the next rank's "
+                           "(data, transient fault or faulty hardware)"));
+  t.push_back(choice_field("skip", "on_hardware_fault", &C::skip, &S::on_hardware_fault,
+                           "a replay or probe finds faulty hardware: warn (drop or skip and go "
+                           "on) or abort with exit code 5 so a scheduler can drain the node"));
+  t.push_back(bool_field("skip", "reset_guards_on_resume", &C::skip, &S::reset_guards_on_resume,
+                         "on resume, start the guards' skip counters at 0 (to go past a "
+                         "guard's abort; the windows are kept)"));
 }
 
 void diagnostics_and_fault_fields(std::vector<Field>& t) {
@@ -409,6 +435,10 @@ void diagnostics_and_fault_fields(std::vector<Field>& t) {
                         "every this many steps all ranks compare CRC32s of their parameters "
                         "and optimizer state (sharded: parameters only, each rank's optimizer "
                         "block has no replica); a mismatch aborts naming the ranks; 0 = off"));
+  t.push_back(int_field("diagnostics", "replay_every", &C::diagnostics, &G::replay_every, 0,
+                        kMaxInt,
+                        "silent-corruption probe: every this many steps one rank (round-robin) "
+                        "recomputes its neighbour's batch and compares bit for bit; 0 = off"));
   t.push_back(int_field("diagnostics", "top_params", &C::diagnostics, &G::top_params, 0, 1 << 20,
                         "parameters named per skip or abort event"));
   t.push_back(string_field("fault", "inject", &C::fault, &F::inject,
@@ -747,6 +777,18 @@ void validate_cross(const Config& c) {
         "expected >= 256",
         c.model.vocab_size));
   validate_fault_config(c.fault);
+  const bool replays = c.skip.replay != Replay::kOff || c.diagnostics.replay_every > 0;
+  if ((replays || c.skip.scope == SkipScope::kRank) && !c.diagnostics.local_check)
+    throw ConfigError(fmt::format(
+        "invalid value for '{}': it needs each rank's own gradient check; set "
+        "diagnostics.local_check = true",
+        c.skip.scope == SkipScope::kRank ? "skip.scope" : c.skip.replay != Replay::kOff
+                                                              ? "skip.replay"
+                                                              : "diagnostics.replay_every"));
+  if ((c.skip.replay != Replay::kOff || c.skip.scope == SkipScope::kRank) && !c.skip.enabled)
+    throw ConfigError(fmt::format(
+        "invalid value for '{}': it acts on skipped steps; set skip.enabled = true",
+        c.skip.scope == SkipScope::kRank ? "skip.scope" : "skip.replay"));
   if (c.skip.min_history > c.skip.window)
     throw ConfigError(fmt::format(
         "invalid value for 'skip.min_history': {} exceeds skip.window = {}; lower "

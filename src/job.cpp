@@ -146,9 +146,13 @@ std::unique_ptr<Job> build_job(const Config& config) {
   build_model(j);
   j.peak_flops = peak_flops(c, j.device);
   j.detector = std::make_unique<SkipDetector>(c.skip);
+  // A replay on the CPU reproduces bit for bit; GPU kernels (atomics in the embedding backward)
+  // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
+  j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),
+                                        j.ranks.rank, j.device.is_cuda() ? 1e-4 : 0.0);
   j.scaler = std::make_unique<LossScaler>(c.training);
   j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
-                                            j.dp->grads());
+                                            j.dp->grads(), hostname(), j.device.str());
   j.schedule = schedule_of(c);
   j.config_json = nlohmann::json::parse(to_json(c));
   const std::string& folder = c.checkpoint.folder;
@@ -188,6 +192,12 @@ void load(Job& j, int64_t step) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   j.sampler->set_position(j.state.data_position);
   if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
+  if (j.config.skip.reset_guards_on_resume && j.detector->consecutive_skips() > 0) {
+    log::warn("skip.reset_guards_on_resume: the skip guards count from 0 again ({} skips in a "
+              "row before)",
+              j.detector->consecutive_skips());
+    j.detector->reset_guards();
+  }
   j.scaler->load_state(j.state.loss_scale);
   std::vector<int64_t> newer;
   for (int64_t s : j.checkpointer->steps())

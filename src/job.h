@@ -14,6 +14,7 @@
 #include "comm/comm.h"
 #include "decide/detector.h"
 #include "decide/loss_scale.h"
+#include "decide/triage.h"
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "diag/injector.h"
@@ -47,6 +48,7 @@ struct Job {
   std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
   std::unique_ptr<SkipDetector> detector;    // the decision and its windows
   std::unique_ptr<LossScaler> scaler;        // fp16 loss scaling (scale 1 when off)
+  std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
   std::unique_ptr<Explainer> explainer;      // events of anomalous steps
   std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl
   std::unique_ptr<Checkpointer> checkpointer;

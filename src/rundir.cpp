@@ -16,13 +16,14 @@
 #include "lockstep/error.h"
 
 namespace lockstep {
-namespace {
 
 std::string hostname() {
   char buf[256] = {};
   ::gethostname(buf, sizeof buf - 1);
   return buf;
 }
+
+namespace {
 
 std::string utc_now(const char* format) {
   const std::time_t t = std::time(nullptr);

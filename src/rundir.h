@@ -30,6 +30,9 @@ class RunFolderLock {
   int fd_ = -1;
 };
 
+// This machine's name (events record it: a hardware suspect's address).
+std::string hostname();
+
 // A fresh start while `checkpoint_dir` holds `steps` of an earlier run: refuse (ConfigError
 // naming them and the way out), or archive the earlier run's files (checkpoints, metrics,
 // diagnostics, logs, config, quarantine, report) into RUN_DIR/archive/<UTC time>/, or delete

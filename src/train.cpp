@@ -15,7 +15,7 @@
 #include <chrono>
 #include <csignal>
 
-#include "data/batch.h"
+#include "compute.h"
 #include "diag/metrics.h"
 #include "diag/verify.h"
 #include "job.h"
@@ -32,47 +32,28 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-// Forward and backward over the micro-batches; gradients accumulate in .grad (times the loss
-// scale, fp16). Faults act where bad data would: on the per-sample losses and on the loss
-// back-propagated.
-void forward_backward(Job& job, RankStep& s) {
-  const TrainingConfig& t = job.config.training;
-  const auto accumulation = static_cast<double>(t.gradient_accumulation_steps);
-  const double scale = job.scaler->scale();
-  double loss_sum = 0;
-  for (int64_t micro = 0; micro < t.gradient_accumulation_steps; ++micro) {
-    const std::vector<int64_t> ids = job.sampler->next_ids();
-    at::Tensor batch = load_batch(*job.sampler, ids, t.seq_len, job.device);  // (B, T + 1)
-    at::Tensor x = batch.slice(1, 0, t.seq_len);                              // (B, T)
-    at::Tensor y = batch.slice(1, 1, t.seq_len + 1);                          // (B, T)
-    at::Tensor per_sample = sample_losses(job.model->forward(x, /*train=*/true), y);  // (B)
-    per_sample = job.faults->on_sample_losses(per_sample, ids, micro);
-    at::Tensor loss = per_sample.mean();
-    at::Tensor objective = job.faults->on_objective(loss.div(accumulation), micro);
-    (scale == 1.0 ? objective : objective.mul(scale)).backward();
-    at::Tensor host = per_sample.detach().to(at::kDouble).cpu();
-    s.sample_losses.insert(s.sample_losses.end(), host.data_ptr<double>(),
-                           host.data_ptr<double>() + host.numel());
-    s.sample_ids.insert(s.sample_ids.end(), ids.begin(), ids.end());
-    loss_sum += loss.item<double>();
-  }
-  s.loss = loss_sum / accumulation;
+// What the triage and the probe read of this rank's step.
+TriageInput triage_input(const Job& job, const RankStep& s) {
+  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses,
+          job.scaler->scale()};
 }
 
-// [A] this rank's own gradient, the sync, [B] the slice this rank checks, then the one small
-// collective: every rank holds every rank's stats, in rank order.
-std::vector<RankStats> measure(Job& job, RankStep& s) {
+// The gradient sync (a rank the triage dropped contributes zeros), [B] the slice this rank
+// checks, then the one small collective: every rank holds every rank's stats, in rank order.
+std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
   const auto start = Clock::now();
-  s.local_checked = job.local_check != nullptr;
-  if (s.local_checked) s.local = GradCheck::read(job.local_check->run());
-  s.decision_seconds = seconds_since(start);
-  job.dp->sync_gradients();  // all-reduce (ddp) or reduce-scatter (sharded) of the flat buffer
+  const bool dropped =
+      std::find(t.dropped.begin(), t.dropped.end(), job.ranks.rank) != t.dropped.end();
+  if (dropped) job.dp->zero_grad();
+  // all-reduce (ddp) or reduce-scatter (sharded) of the flat buffer
+  job.dp->sync_gradients(job.ranks.world_size - static_cast<int>(t.dropped.size()));
   const auto synced = Clock::now();
+  s.costs.sync = std::chrono::duration<double>(synced - start).count();
   s.shard = GradCheck::read(job.shard_check->run());
   const RankStats mine =
       rank_stats(s.local, s.shard, s.loss, s.sample_losses, StopSignals::received() != 0);
   std::vector<RankStats> table = exchange_stats(mine, job.comm.get());
-  s.decision_seconds += seconds_since(synced);
+  s.costs.decision += seconds_since(synced);
   return table;
 }
 
@@ -84,7 +65,7 @@ void explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<Ra
   const Event e =
       job.explainer->event(job.state.step + 1, job.state, s, v, table, samples, *job.detector, lr);
   job.events->write(to_json(e));
-  if (v.decision == Decision::kSkip) {
+  if (v.decision != Decision::kAbort) {
     log::write(job.lead ? log::Level::kWarn : log::Level::kInfo, skip_message(e));
     return;
   }
@@ -92,7 +73,9 @@ void explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<Ra
   std::string saved = "no checkpoint (checkpoint.enable = false)";
   if (job.config.checkpoint.enable && job.state.step > 0)
     saved = "last good state saved in " + save_checkpoint(job);
-  throw TrainingAborted(abort_message(e, saved, job.run_dir));
+  throw TrainingAborted(abort_message(e, saved, job.run_dir),
+                        v.guard == "skip.on_hardware_fault = abort" ? ExitCode::kHardwareFault
+                                                                    : ExitCode::kTrainingAborted);
 }
 
 // The update and the counters. A skip reaches the fused AdamW as found_inf = 1: parameters,
@@ -100,7 +83,10 @@ void explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<Ra
 // loss scale is divided out in the same pass (grad_scale = scale / clip).
 double apply(Job& job, const Verdict& v, double lr) {
   const bool skip = v.decision == Decision::kSkip;
-  const double clip = skip ? 1.0 : clip_coefficient(v.grad_norm, job.config.training.max_norm);
+  const double max_norm = job.config.training.max_norm;  // a clip decision may lower it
+  const double limit = v.clip_to > 0 && (max_norm <= 0 || v.clip_to < max_norm) ? v.clip_to
+                                                                                 : max_norm;
+  const double clip = skip ? 1.0 : clip_coefficient(v.grad_norm, limit);
   job.dp->apply(lr, {skip, clip, v.loss_scale});  // sharded: then all-gather the blocks
   job.dp->zero_grad();
   job.detector->record(v);
@@ -111,6 +97,7 @@ double apply(Job& job, const Verdict& v, double lr) {
   st.optimizer_steps += skip ? 0 : 1;
   st.skipped_steps += skip && !v.overflow ? 1 : 0;
   st.overflow_skips += v.overflow ? 1 : 0;
+  count_outcome(st, v);
   st.data_position = job.sampler->position();
   st.tokens_seen += job.tokens_per_step;
   return clip;
@@ -118,18 +105,26 @@ double apply(Job& job, const Verdict& v, double lr) {
 
 struct StepResult {
   Verdict verdict;
-  double clip = 1.0, decision_seconds = 0;
+  double clip = 1.0;
+  StepCosts costs;
 };
 
 // One step, 1-based `step`, at learning rate `lr`.
 StepResult step(Job& job, int64_t step, double lr) {
   RankStep s;
   s.fault = job.faults->begin_step(step);
-  forward_backward(job, s);
-  const std::vector<RankStats> table = measure(job, s);
-  const auto decided = Clock::now();
-  StepResult r{job.detector->decide(table, *job.scaler)};
-  r.decision_seconds = s.decision_seconds + seconds_since(decided);
+  forward_backward(job, s, step);
+  auto start = Clock::now();
+  check_local(job, s);  // [A]
+  s.costs.decision = seconds_since(start);
+  const Recompute replay = replayer(job, s, step);
+  Triage triage = job.triager->before_sync(*job.detector, triage_input(job, s), replay, s.costs);
+  const std::vector<RankStats> table = measure(job, s, triage);
+  job.triager->probe(step, table, triage_input(job, s), replay, triage, s.costs);
+  start = Clock::now();
+  StepResult r{job.detector->decide(table, *job.scaler, triage)};
+  s.costs.decision += seconds_since(start);
+  r.costs = s.costs;
   const Verdict& v = r.verdict;
   if (v.overflow_runs > 0 && v.nonfinite == 0)
     log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64", step,
@@ -184,7 +179,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
     const double lr = next_lr(job.schedule, job.state.step, job.state.optimizer_steps);
     const StepResult r = step(job, job.state.step + 1, lr);
     result.losses.push_back(r.verdict.loss);
-    progress.step_done(job.state, r.verdict, *job.detector, lr, r.clip, r.decision_seconds);
+    progress.step_done(job.state, r.verdict, *job.detector, lr, r.clip, r.costs);
     if (job.validator && job.validator->due(job.state.step)) validate(job, progress);
     const bool last = job.state.step == c.training.steps;
     const int64_t every = c.diagnostics.verify_every;

@@ -18,43 +18,16 @@
 #include "lockstep/data.h"
 #include "lockstep/error.h"
 #include "lockstep/train.h"
-#include "test_util.h"
+#include "run_util.h"
 
 using namespace lockstep;
 using json = nlohmann::json;
+using test::decisions;
+using test::job;
+using test::meta;
 using test::read_jsonl;
 using test::read_text;
-
-namespace {
-
-std::vector<Override> tiny(const std::string& dir, int steps) {
-  return {{"job.dump_folder", dir},        {"model.dim", "32"},
-          {"model.n_layers", "1"},         {"model.n_heads", "2"},
-          {"model.max_seq_len", "32"},     {"training.seq_len", "32"},
-          {"training.local_batch_size", "4"}, {"training.steps", std::to_string(steps)},
-          {"training.threads", "1"},       {"lr_scheduler.warmup_steps", "3"},
-          {"checkpoint.keep_latest_k", "0"}, {"metrics.log_freq", "1"},
-          {"data.synthetic_tokens", "65536"}, {"skip.enabled", "true"}};
-}
-
-Config job(const std::string& dir, int steps, std::vector<Override> extra = {}) {
-  auto ov = tiny(dir, steps);
-  ov.insert(ov.end(), extra.begin(), extra.end());
-  return load_config("", "test", ov);
-}
-
-json meta(const std::string& step_dir) { return json::parse(read_text(step_dir + "/meta.json")); }
-
-// (step, decision, reasons, culprits) of every event in a rank's diagnostics: what must agree.
-std::vector<std::string> decisions(const std::string& run_dir, int rank) {
-  std::vector<std::string> out;
-  for (const auto& e : read_jsonl(run_dir + "/diagnostics/rank" + std::to_string(rank) + ".jsonl"))
-    out.push_back(e["step"].dump() + " " + e["decision"].get<std::string>() + " " +
-                  e["reasons"].dump() + " " + e["culprit_ranks"].dump());
-  return out;
-}
-
-}  // namespace
+using test::run_ranks;
 
 TEST(SkipRun, ASkipLeavesWeightsAndOptimizerStateBitwiseUntouched) {
   for (const std::string on_skip : {"advance", "hold"}) {
@@ -101,7 +74,9 @@ TEST(SkipRun, ASkipLeavesWeightsAndOptimizerStateBitwiseUntouched) {
     ASSERT_EQ(events.size(), 1u);
     EXPECT_EQ(events[0]["step"], 6);
     EXPECT_EQ(events[0]["reasons"], json::array({"nonfinite_grad"}));
-    EXPECT_EQ(events[0]["culprit_ranks"], json::array({0}));
+    // One rank alone cannot tell its batch from the model: no sample's loss names itself.
+    EXPECT_EQ(events[0]["scope"], "global");
+    EXPECT_EQ(events[0]["culprit_ranks"], json::array());
     EXPECT_EQ(events[0]["local"]["sample_ids"].size(), 4u);
     EXPECT_GT(events[0]["local"]["top_params"][0]["nonfinite"].get<int64_t>(), 0);
   }
@@ -213,17 +188,6 @@ TEST(SkipRun, PoisonedSampleIsNamedAndAQuarantinedResumeNeverDrawsIt) {
 namespace {
 
 using test::Launcher;
-
-// Runs `lockstep train` on `world` ranks under `launcher`; returns the launcher's result.
-test::CliRun run_ranks(int world, const std::string& dir, int steps, const std::string& extra,
-                       Launcher launcher = Launcher::kLockstepRun,
-                       const std::string& launcher_args = "") {
-  std::string args;
-  for (const auto& [k, v] : tiny(dir, steps)) args += " --" + k + " '" + v + "'";
-  return test::run_on_ranks(world, "train" + args + " --checkpoint.enable false " + extra,
-                            launcher, launcher_args);
-}
-
 // Random faults on random ranks: every rank decides the same at every step, the skips are
 // exactly the faulty steps, and the weights end bitwise equal on all ranks.
 void expect_agreement(int world, int steps, uint64_t seed,
@@ -248,12 +212,17 @@ void expect_agreement(int world, int steps, uint64_t seed,
   std::vector<std::set<int>> expected_culprits;
   for (int s = 1; s <= steps; ++s) {
     std::set<int> c;
+    bool sample_evidence = false;  // nan_loss: a sample's own loss is NaN
     for (int rank = 0; rank < world; ++rank)
-      if (plan.at(s, rank) != FaultKind::kNone) c.insert(rank);
-    if (!c.empty()) {
-      expected_steps.push_back(s);
-      expected_culprits.push_back(c);
-    }
+      if (FaultKind k = plan.at(s, rank); k != FaultKind::kNone) {
+        c.insert(rank);
+        sample_evidence = sample_evidence || k == FaultKind::kNanLoss;
+      }
+    if (c.empty()) continue;
+    expected_steps.push_back(s);
+    // Local (culprits named): a minority of ranks, or samples that name themselves; else global.
+    const bool local = sample_evidence || 2 * c.size() <= static_cast<size_t>(world);
+    expected_culprits.push_back(local ? c : std::set<int>{});
   }
   ASSERT_GE(expected_steps.size(), 3u) << "the seed gives too few faults to test anything";
 
@@ -334,7 +303,10 @@ TEST(SkipAgreement, MpiAndGlooGiveTheSameWeights) {
 
 TEST(SkipDiag, DiagNamesTheCulpritRankAndSamplesAndReportDrawsThePicture) {
   test::TempDir dir;
-  auto r = run_ranks(2, dir.path(), 30, "--fault.inject nan_grad@12:1 --metrics.log_freq 5");
+  // nan_grad belongs to the batch: rank 1's replay reproduces it, so the cause is data and,
+  // with no sample's own loss standing out, the whole batch is suspect.
+  auto r = run_ranks(2, dir.path(), 30,
+                     "--fault.inject nan_grad@12:1 --metrics.log_freq 5 --skip.replay self");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("step 12: SKIP (nonfinite_grad)"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("culprit rank 1"), std::string::npos) << r.out;
@@ -344,6 +316,9 @@ TEST(SkipDiag, DiagNamesTheCulpritRankAndSamplesAndReportDrawsThePicture) {
   EXPECT_NE(d.out.find("1 skipped, 0 aborted"), std::string::npos) << d.out;
   EXPECT_NE(d.out.find("culprit rank 1"), std::string::npos) << d.out;
   EXPECT_NE(d.out.find("injected fault: nan_grad"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("scope local, cause data"), std::string::npos) << d.out;
+  EXPECT_NE(d.out.find("replay of rank 1's batch: its own replay reproduced"), std::string::npos)
+      << d.out;
   EXPECT_NE(d.out.find("rank 1: culprit in 1 event(s) (nonfinite_grad 1)"), std::string::npos)
       << d.out;
   // The quarantine holds rank 1's batch of step 12.
@@ -422,7 +397,7 @@ TEST(Reliability, SigtermStopsEveryRankAfterACheckpoint) {
   test::TempDir dir;
   const int port = test::free_port();
   std::string args;
-  for (const auto& [k, v] : tiny(dir.path(), 100000)) args += " --" + k + " '" + v + "'";
+  for (const auto& [k, v] : test::tiny(dir.path(), 100000)) args += " --" + k + " '" + v + "'";
   const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) +
                           " --nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
                           LOCKSTEP_BIN + " train" + args +

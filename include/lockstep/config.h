@@ -31,6 +31,10 @@ enum class ParallelMode { kDdp, kSharded };         // sharded = ZeRO-2
 enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16", "float16"
 enum class ReducePrecision { kFloat32, kBFloat16 };
 enum class OnExisting { kRefuse, kArchive, kOverwrite };  // a fresh start in a used run folder
+enum class OnGlobalSpike { kClip, kSkip, kAbort };  // most ranks elevated: the model, not data
+enum class SkipScope { kStep, kRank };     // a local anomaly skips the step, or drops the rank
+enum class Replay { kOff, kSelf, kPeer };  // recompute a culprit's batch to tell data from faults
+enum class OnHardwareFault { kWarn, kAbort };
 
 // The spelling of each value, in declaration order ("gpt", "auto", "cpu", ...).
 template <typename E>
@@ -48,6 +52,10 @@ template <> std::span<const std::string_view> choice_names<ParallelMode>();
 template <> std::span<const std::string_view> choice_names<Precision>();
 template <> std::span<const std::string_view> choice_names<ReducePrecision>();
 template <> std::span<const std::string_view> choice_names<OnExisting>();
+template <> std::span<const std::string_view> choice_names<OnGlobalSpike>();
+template <> std::span<const std::string_view> choice_names<SkipScope>();
+template <> std::span<const std::string_view> choice_names<Replay>();
+template <> std::span<const std::string_view> choice_names<OnHardwareFault>();
 template <typename E>
 std::string_view name_of(E e) {
   return choice_names<E>()[static_cast<size_t>(e)];
@@ -183,12 +191,20 @@ struct SkipConfig {
   int64_t max_consecutive = 10;  // guard: abort after this many skips in a row; 0 = off
   double max_fraction = 0.1;     // guard: abort when skips exceed this share of fraction_window
   int64_t fraction_window = 1000;
+  // Scope and cause (docs: README "Why was this step skipped?").
+  OnGlobalSpike on_global_spike = OnGlobalSpike::kClip;
+  SkipScope scope = SkipScope::kStep;
+  double max_dropped_fraction = 0.25;  // scope = rank: beyond this share of ranks, skip the step
+  Replay replay = Replay::kOff;
+  OnHardwareFault on_hardware_fault = OnHardwareFault::kWarn;
+  bool reset_guards_on_resume = false;  // resume past a guard's abort: its counters start at 0
 };
 
 struct DiagnosticsConfig {
   bool local_check = true;   // check each rank's own gradient before the sync (attribution)
   int64_t top_params = 5;    // parameters named per event
   int64_t verify_every = 0;  // cross-rank CRC32 of parameters and optimizer state; 0 = off
+  int64_t replay_every = 0;  // silent-corruption probe: a rank recomputes a neighbour's batch
 };
 
 // Fault injection for tests and demos (src/diag/fault.h has the grammar of these strings).

@@ -23,8 +23,28 @@ struct RankStats {
 static_assert(sizeof(RankStats) == 64, "one step's stats are 64 bytes per rank");
 constexpr int kRankStatsDoubles = 8;
 
-enum class Decision { kStep, kSkip, kAbort };
-const char* decision_name(Decision d);  // "step", "skip", "abort"
+// step; skip (nothing changes); abort; clip (a global spike, taken clipped to the window's
+// bound); salvage (some ranks' contributions dropped before the sync, the rest stepped).
+enum class Decision { kStep, kSkip, kAbort, kClip, kSalvage };
+const char* decision_name(Decision d);  // "step", "skip", "abort", "clip", "salvage"
+
+// What recomputing one rank's batch found (skip.replay, diagnostics.replay_every): the same
+// micro-batches, data faults and dropout masks, on the rank itself or on a peer.
+struct ReplayResult {
+  int rank = -1;            // whose batch was recomputed
+  int by_rank = -1;         // the rank that recomputed it
+  bool reproduced = false;  // loss and local gradient stats equal the first computation's
+  double loss = 0, local_sumsq = 0, local_nonfinite = 0;  // what the recomputation gave
+  double first_loss = 0, first_local_sumsq = 0, first_local_nonfinite = 0;  // ... and the first
+};
+
+// Why, as far as replays can tell: a batch that reproduces its anomaly anywhere is data; one
+// that does not reproduce on its own device was a transient fault; one that reproduces there
+// but not on a peer's is that device's hardware. A global anomaly is instability.
+inline constexpr const char* kCauseData = "data";
+inline constexpr const char* kCauseTransient = "transient_fault";
+inline constexpr const char* kCauseHardware = "hardware";
+inline constexpr const char* kCauseInstability = "instability";
 
 struct Verdict {
   Decision decision = Decision::kStep;
@@ -37,10 +57,30 @@ struct Verdict {
   bool stop = false;                 // some rank asks to stop after this step (a signal)
   double overflow_runs = 0;
   double grad_norm_z = 0, loss_z = 0;  // NaN while the window is too short or the test is off
-  std::vector<int> culprit_ranks;      // ranks whose own data caused it, as far as knowable
+  std::vector<int> culprit_ranks;      // local anomalies only: the ranks that stand out
   double loss_scale = 1;               // the scale this step's gradients carry (fp16)
   bool overflow = false;               // loss_scale_overflow: an fp16 overflow, not bad data
-  bool anomalous() const { return decision != Decision::kStep; }
+  std::string scope;                   // "local" (a minority of ranks), "global", or ""
+  std::string cause;                   // kCause*, "" when unknown (no replay)
+  std::vector<double> rank_grad_norm, rank_loss;      // each rank's own values (unscaled)
+  std::vector<double> rank_grad_norm_z, rank_loss_z;  // ... against its own window
+  std::vector<int> dropped_ranks;      // salvage: contributed nothing to the sync
+  std::vector<ReplayResult> replays;
+  std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed
+  double clip_to = 0;                  // clip: the grad norm the step is clipped to
+  // Something to explain: not a plain step (a transient fault repaired by a replay, or a probe
+  // mismatch, is a step with reasons).
+  bool anomalous() const { return decision != Decision::kStep || !reasons.empty(); }
+  bool updates() const { return decision == Decision::kStep || decision == Decision::kClip ||
+                                decision == Decision::kSalvage; }
+};
+
+// What a step's decision machinery cost, in seconds (the metrics average it per step).
+struct StepCosts {
+  double decision = 0;  // checks [A] and [B], the stats exchange, the verdict
+  double sync = 0;      // the gradient collective
+  double triage = 0;    // the pre-sync exchange (skip.scope = "rank", skip.replay)
+  double replay = 0;    // recomputations (replays and the probe)
 };
 
 // A norm as users read it: NaN when any element is nonfinite, else sqrt(sumsq). (The check's

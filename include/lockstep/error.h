@@ -16,7 +16,8 @@ enum class ExitCode : int {
   kFailure = 1,         // an unexpected internal or runtime failure
   kUsage = 2,           // bad command line or configuration
   kBadInput = 3,        // unreadable or invalid data file or checkpoint
-  kTrainingAborted = 4  // training stopped on a nonfinite loss or gradient
+  kTrainingAborted = 4, // training stopped on a nonfinite loss or gradient
+  kHardwareFault = 5     // skip.on_hardware_fault = "abort": a replay or probe blamed a device
 };
 
 // Every error is one line, whatever input it echoes: control characters are escaped (a value
@@ -59,7 +60,8 @@ class InputError : public Error {
 // Training cannot go on (nonfinite loss or gradient with no way to recover).
 class TrainingAborted : public Error {
  public:
-  explicit TrainingAborted(const std::string& what) : Error(ExitCode::kTrainingAborted, what) {}
+  explicit TrainingAborted(const std::string& what, ExitCode code = ExitCode::kTrainingAborted)
+      : Error(code, what) {}
 };
 
 }  // namespace lockstep

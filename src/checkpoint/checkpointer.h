@@ -34,6 +34,11 @@ struct TrainState {
   int64_t world_size = 1;       // ranks that trained up to here (any size may resume)
   int64_t skipped_steps = 0;    // steps whose update was skipped by the agreed decision
   int64_t overflow_skips = 0;   // steps skipped on an fp16 overflow (counted apart)
+  int64_t clipped_steps = 0;    // global spikes taken clipped (skip.on_global_spike = "clip")
+  int64_t salvaged_steps = 0;   // steps taken without some ranks' contributions
+  int64_t dropped_contributions = 0;  // rank contributions dropped by salvages, in all
+  int64_t transient_faults = 0;  // culprits whose replay came out clean
+  int64_t hardware_faults = 0;   // culprits or probe targets blamed on their device
   nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
   nlohmann::json loss_scale = nlohmann::json::object();  // LossScaler::state(); {} = fresh
 };

@@ -150,6 +150,11 @@ TrainState state_of(const json& meta) {
   s.world_size = meta.at("world_size").get<int64_t>();
   s.skipped_steps = meta.at("skipped_steps").get<int64_t>();
   s.overflow_skips = meta.value("overflow_skips", int64_t{0});
+  s.clipped_steps = meta.value("clipped_steps", int64_t{0});
+  s.salvaged_steps = meta.value("salvaged_steps", int64_t{0});
+  s.dropped_contributions = meta.value("dropped_contributions", int64_t{0});
+  s.transient_faults = meta.value("transient_faults", int64_t{0});
+  s.hardware_faults = meta.value("hardware_faults", int64_t{0});
   s.detector = meta.at("detector");
   s.loss_scale = meta.value("loss_scale", json::object());
   return s;
@@ -188,6 +193,11 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
                {"mode", mode_name(layout)},
                {"skipped_steps", state.skipped_steps},
                {"overflow_skips", state.overflow_skips},
+               {"clipped_steps", state.clipped_steps},
+               {"salvaged_steps", state.salvaged_steps},
+               {"dropped_contributions", state.dropped_contributions},
+               {"transient_faults", state.transient_faults},
+               {"hardware_faults", state.hardware_faults},
                {"detector", state.detector},
                {"loss_scale", state.loss_scale},
                {"rng", {{"cpu", rng_hex}}},

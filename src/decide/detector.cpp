@@ -11,6 +11,8 @@ const char* decision_name(Decision d) {
     case Decision::kStep: return "step";
     case Decision::kSkip: return "skip";
     case Decision::kAbort: return "abort";
+    case Decision::kClip: return "clip";
+    case Decision::kSalvage: return "salvage";
   }
   return "?";
 }
@@ -58,51 +60,28 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// The global numbers: every rank adds the same numbers in the same order (rank order).
-Verdict reduce_in_rank_order(const std::vector<RankStats>& ranks, bool& loss_nonfinite) {
+// The global numbers: every rank adds the same numbers in the same order (rank order). The
+// loss is the mean over the ranks that contributed (not `dropped`).
+Verdict reduce_in_rank_order(const std::vector<RankStats>& ranks, const std::vector<int>& dropped,
+                             bool& loss_nonfinite) {
   Verdict v;
   double sumsq = 0, loss_sum = 0;
+  int contributing = 0;
   loss_nonfinite = false;
-  for (const RankStats& r : ranks) {
+  for (int i = 0; i < static_cast<int>(ranks.size()); ++i) {
+    const RankStats& r = ranks[i];
     v.nonfinite += r.shard_nonfinite;
     sumsq += r.shard_sumsq;
     v.overflow_runs += r.overflow_runs;
-    loss_sum += r.loss;
     v.stop = v.stop || r.stop_requested != 0;
+    if (std::find(dropped.begin(), dropped.end(), i) != dropped.end()) continue;
+    loss_sum += r.loss;
+    ++contributing;
     loss_nonfinite = loss_nonfinite || !std::isfinite(r.loss);
   }
   v.grad_norm = norm_of(v.nonfinite, sumsq);  // never report a partial norm as the norm
-  v.loss = ranks.empty() ? kNaN : loss_sum / static_cast<double>(ranks.size());
+  v.loss = contributing == 0 ? kNaN : loss_sum / static_cast<double>(contributing);
   return v;
-}
-
-// Culprits: the ranks whose own batch shows the problem before the sync mixed it in.
-std::vector<int> culprit_ranks(const Verdict& v, const std::vector<RankStats>& ranks,
-                               bool nonfinite) {
-  std::vector<int> out;
-  auto add = [&](int r) {
-    if (std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
-  };
-  auto argmax = [&](auto key) {
-    int best = 0;
-    for (int r = 1; r < static_cast<int>(ranks.size()); ++r)
-      if (key(ranks[r]) > key(ranks[best])) best = r;
-    return best;
-  };
-  bool have_local = false;
-  for (const RankStats& r : ranks)
-    have_local = have_local || r.local_sumsq > 0 || r.local_nonfinite > 0;
-  for (int r = 0; r < static_cast<int>(ranks.size()); ++r)
-    if (nonfinite && (ranks[r].local_nonfinite > 0 || ranks[r].bad_samples > 0 ||
-                      !std::isfinite(ranks[r].loss)))
-      add(r);
-  for (const auto& reason : v.reasons) {
-    if ((reason == "grad_norm_above_max" || reason == "grad_norm_spike") && have_local)
-      add(argmax([](const RankStats& s) { return s.local_sumsq; }));
-    if (reason == "loss_spike") add(argmax([](const RankStats& s) { return s.loss; }));
-  }
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 }  // namespace
@@ -116,13 +95,13 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks) const {
   return decide(ranks, kOff);
 }
 
-Verdict SkipDetector::decide(const std::vector<RankStats>& ranks,
-                             const LossScaler& scaler) const {
+Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const LossScaler& scaler,
+                             const Triage& triage) const {
   bool loss_nonfinite = false;
-  Verdict v = reduce_in_rank_order(ranks, loss_nonfinite);
+  Verdict v = reduce_in_rank_order(ranks, triage.dropped, loss_nonfinite);
   v.loss_scale = scaler.scale();
   if (v.loss_scale != 1.0) v.grad_norm /= v.loss_scale;  // the norm users read is unscaled
-  if (scaler.enabled() && v.nonfinite > 0 && !loss_nonfinite) {
+  if (scaler.enabled() && v.nonfinite > 0 && !loss_nonfinite && triage.culprits.empty()) {
     // An fp16 overflow: the loss scale, not the data. Skip, back off (in record), blame no one.
     v.overflow = true;
     v.reasons.push_back("loss_scale_overflow");
@@ -137,7 +116,6 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks,
 
   if (v.nonfinite > 0) v.reasons.push_back("nonfinite_grad");
   if (loss_nonfinite) v.reasons.push_back("nonfinite_loss");
-  const bool nonfinite = !v.reasons.empty();
   if (cfg_.enabled) {
     if (cfg_.max_grad_norm > 0 && std::isfinite(v.grad_norm) && v.grad_norm > cfg_.max_grad_norm)
       v.reasons.push_back("grad_norm_above_max");
@@ -145,16 +123,31 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks,
       v.reasons.push_back("grad_norm_spike");
     if (cfg_.loss_zscore > 0 && v.loss_z > cfg_.loss_zscore) v.reasons.push_back("loss_spike");
   }
-  v.culprit_ranks = culprit_ranks(v, ranks, nonfinite);
-  if (v.reasons.empty()) return v;
-  if (!cfg_.enabled) {  // stock behaviour: a nonfinite value stops the job
+  const LocalFindings f = local_findings(ranks, v.loss_scale);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    v.rank_grad_norm.push_back(norm_of(ranks[r].local_nonfinite, ranks[r].local_sumsq) /
+                               v.loss_scale);
+    v.rank_loss.push_back(ranks[r].loss);
+  }
+  v.rank_grad_norm_z = f.grad_norm_z;
+  v.rank_loss_z = f.loss_z;
+  v.dropped_ranks = triage.dropped;
+  v.replays = triage.replays;
+  v.cause = triage.cause;
+  v.hardware_suspects = triage.hardware_suspects;
+  const bool synced_clean = v.reasons.empty() && !triage.skip_step;
+  attribute(v, ranks, f, triage);
+  if (!synced_clean && !cfg_.enabled) {  // stock behaviour: a nonfinite value stops the job
     v.decision = Decision::kAbort;
     v.guard = "skip.enabled = false";
     return v;
   }
-  v.decision = Decision::kSkip;
-  v.guard = guard_tripped();
-  if (!v.guard.empty()) v.decision = Decision::kAbort;
+  if (!synced_clean) apply_policy(v);
+  if (v.decision != Decision::kAbort && !v.hardware_suspects.empty() &&
+      cfg_.on_hardware_fault == OnHardwareFault::kAbort) {
+    v.decision = Decision::kAbort;
+    v.guard = "skip.on_hardware_fault = abort";
+  }
   return v;
 }
 
@@ -174,15 +167,36 @@ std::string SkipDetector::guard_tripped() const {
   return "";
 }
 
+double SkipDetector::bounded(const Window& w, double v, double z) const {
+  if (w.size() < cfg_.min_history || z <= 0 || !std::isfinite(v)) return v;
+  return std::min(v, w.mean() + z * w.stddev());
+}
+
 void SkipDetector::record(const Verdict& v) {
   if (v.decision == Decision::kAbort || v.overflow) return;
   const bool skipped = v.decision == Decision::kSkip;
+  const bool clip = v.decision == Decision::kClip;
   if (skipped) {
     ++consecutive_;
   } else {
     consecutive_ = 0;
-    grad_norms_.push(v.grad_norm);
-    losses_.push(v.loss);
+    // A clip enters as the bound it was taken at: a lasting new level moves the window up
+    // step by step; one spike does not widen it.
+    grad_norms_.push(clip && v.clip_to > 0 ? std::min(v.grad_norm, v.clip_to) : v.grad_norm);
+    losses_.push(clip ? bounded(losses_, v.loss, cfg_.loss_zscore) : v.loss);
+    const size_t world = v.rank_loss.size();
+    if (rank_losses_.size() != world) {  // a fresh start, or a resume at another world size
+      rank_grad_norms_.assign(world, Window(cfg_.window));
+      rank_losses_.assign(world, Window(cfg_.window));
+    }
+    for (size_t r = 0; r < world; ++r) {
+      if (std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), static_cast<int>(r)) !=
+          v.dropped_ranks.end())
+        continue;
+      const double g = v.rank_grad_norm[r], l = v.rank_loss[r];
+      rank_grad_norms_[r].push(clip ? bounded(rank_grad_norms_[r], g, cfg_.grad_norm_zscore) : g);
+      rank_losses_[r].push(clip ? bounded(rank_losses_[r], l, cfg_.loss_zscore) : l);
+    }
   }
   recent_.push_back(skipped);
   recent_skips_ += skipped;
@@ -192,12 +206,42 @@ void SkipDetector::record(const Verdict& v) {
   }
 }
 
+void SkipDetector::reset_guards() {
+  consecutive_ = 0;
+  recent_.clear();
+  recent_skips_ = 0;
+}
+
+namespace {
+
+std::vector<double> values_of(const Window& w) {
+  return std::vector<double>(w.values().begin(), w.values().end());
+}
+
+nlohmann::json windows_json(const std::vector<Window>& ws) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Window& w : ws) out.push_back(values_of(w));
+  return out;
+}
+
+std::vector<Window> windows_from(const nlohmann::json& j, int64_t capacity) {
+  std::vector<Window> out;
+  for (const auto& values : j) {
+    out.emplace_back(capacity);
+    out.back().assign(values.get<std::vector<double>>());
+  }
+  return out;
+}
+
+}  // namespace
+
 nlohmann::json SkipDetector::state() const {
   std::string recent;
   for (bool b : recent_) recent += b ? '1' : '0';
-  return {{"grad_norms", std::vector<double>(grad_norms_.values().begin(),
-                                             grad_norms_.values().end())},
-          {"losses", std::vector<double>(losses_.values().begin(), losses_.values().end())},
+  return {{"grad_norms", values_of(grad_norms_)},
+          {"losses", values_of(losses_)},
+          {"rank_grad_norms", windows_json(rank_grad_norms_)},
+          {"rank_losses", windows_json(rank_losses_)},
           {"consecutive_skips", consecutive_},
           {"recent", recent}};
 }
@@ -205,6 +249,9 @@ nlohmann::json SkipDetector::state() const {
 void SkipDetector::load_state(const nlohmann::json& s) {
   grad_norms_.assign(s.at("grad_norms").get<std::vector<double>>());
   losses_.assign(s.at("losses").get<std::vector<double>>());
+  // Checkpoints before per-rank windows have none: they fill again from here.
+  rank_grad_norms_ = windows_from(s.value("rank_grad_norms", nlohmann::json::array()), cfg_.window);
+  rank_losses_ = windows_from(s.value("rank_losses", nlohmann::json::array()), cfg_.window);
   consecutive_ = s.at("consecutive_skips").get<int64_t>();
   recent_.clear();
   recent_skips_ = 0;

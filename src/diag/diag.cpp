@@ -54,6 +54,98 @@ std::string num(const json& v, const char* f = "{:.4g}") {
   return "?";
 }
 
+// One step's events (one per rank) as one agreed record plus what each rank saw.
+json event_summary(int64_t step, const std::map<int64_t, json>& ranks) {
+  const json& any = ranks.begin()->second;  // agreed fields are the same on every rank
+  json ev = {{"step", step},
+             {"decision", any["decision"]},
+             {"scope", any["scope"]},
+             {"cause", any["cause"]},
+             {"reasons", any["reasons"]},
+             {"guard", any["guard"]},
+             {"global", any["global"]},
+             {"window", any["window"]},
+             {"thresholds", any["thresholds"]},
+             {"culprit_ranks", any["culprit_ranks"]},
+             {"dropped_ranks", any["dropped_ranks"]},
+             {"hardware_suspects", any["hardware_suspects"]},
+             {"replays", any["replays"]},
+             {"suspect_sample_ids", any["suspect_sample_ids"]},
+             {"ranks_reporting", ranks.size()}};
+  json per_rank = json::array();
+  for (const auto& [r, e] : ranks) {
+    const json& row = e["ranks"].size() > static_cast<size_t>(r) ? e["ranks"][r] : json::object();
+    per_rank.push_back({{"rank", r},
+                        {"host", e["local"]["host"]},
+                        {"device", e["local"]["device"]},
+                        {"fault", e["local"]["fault"]},
+                        {"loss", e["local"]["loss"]},
+                        {"grad_norm", e["local"]["grad_norm"]},
+                        {"nonfinite", e["local"]["nonfinite"]},
+                        {"grad_norm_z", row.value("grad_norm_z", json("NaN"))},
+                        {"loss_z", row.value("loss_z", json("NaN"))},
+                        {"top_params", e["local"]["top_params"]},
+                        {"sample_ids", e["local"]["sample_ids"]}});
+  }
+  ev["per_rank"] = per_rank;
+  return ev;
+}
+
+// What a replay of the suspect rank's batch showed, in words.
+std::string evidence_of(const json& ev, int64_t rank) {
+  std::vector<std::string> parts;
+  for (const auto& r : ev["replays"]) {
+    if (r["rank"].get<int64_t>() != rank) continue;
+    const int64_t by = r["by_rank"].get<int64_t>();
+    parts.push_back(fmt::format("{} {} (grad norm {} -> {}, loss {} -> {})",
+                                by == rank ? "its own replay" : fmt::format("rank {}'s replay", by),
+                                r["reproduced"].get<bool>() ? "reproduced" : "differed",
+                                num(r["first_grad_norm"]), num(r["grad_norm"]),
+                                num(r["first_loss"]), num(r["loss"])));
+  }
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+// The hardware suspects: rank, host, device, the steps, the evidence.
+json suspects_table(const json& events) {
+  std::map<int64_t, json> by_rank;
+  for (const auto& ev : events)
+    for (const auto& r : ev["hardware_suspects"]) {
+      const int64_t rank = r.get<int64_t>();
+      json& row = by_rank[rank];
+      if (row.is_null()) row = {{"rank", rank}, {"host", ""}, {"device", ""},
+                                {"steps", json::array()}, {"evidence", json::array()}};
+      for (const auto& pr : ev["per_rank"])
+        if (pr["rank"].get<int64_t>() == rank) {
+          row["host"] = pr["host"];
+          row["device"] = pr["device"];
+        }
+      row["steps"].push_back(ev["step"]);
+      row["evidence"].push_back(fmt::format("step {}: cause {}; {}", ev["step"].get<int64_t>(),
+                                            ev["cause"].get<std::string>(), evidence_of(ev, rank)));
+    }
+  json out = json::array();
+  for (auto& [rank, row] : by_rank) out.push_back(row);
+  return out;
+}
+
+// Culprit events and reasons per rank.
+json rank_tally(const json& events, int64_t world) {
+  json tally = json::array();
+  for (int64_t r = 0; r < world; ++r) {
+    std::map<std::string, int64_t> reasons;
+    int64_t n = 0;
+    for (const auto& ev : events)
+      for (const auto& c : ev["culprit_ranks"])
+        if (c.get<int64_t>() == r) {
+          ++n;
+          for (const auto& reason : ev["reasons"]) reasons[reason.get<std::string>()] += 1;
+        }
+    tally.push_back({{"rank", r}, {"culprit_in", n}, {"reasons", reasons}});
+  }
+  return tally;
+}
+
 }  // namespace
 
 json diagnose(const std::string& run_dir) {
@@ -80,98 +172,118 @@ json diagnose(const std::string& run_dir) {
       world = std::max<int64_t>(world, static_cast<int64_t>(e.ranks.size()));
       by_step[e.step][e.rank] = to_json(e);
     }
-
   json events = json::array();
-  std::map<int64_t, std::map<std::string, int64_t>> culprit_tally;
-  std::set<int64_t> quarantine;
-  int64_t skips = 0, aborts = 0;
+  std::map<std::string, int64_t> decisions;
+  std::map<int64_t, int64_t> samples;  // suspect sample id -> events naming it
   for (auto& [step, ranks] : by_step) {
-    const json& any = ranks.begin()->second;  // agreed fields are the same on every rank
-    json ev = {{"step", step},
-               {"decision", any["decision"]},
-               {"reasons", any["reasons"]},
-               {"guard", any["guard"]},
-               {"global", any["global"]},
-               {"culprit_ranks", any["culprit_ranks"]},
-               {"suspect_sample_ids", any["suspect_sample_ids"]},
-               {"ranks_reporting", ranks.size()}};
-    json per_rank = json::array();
-    for (auto& [r, e] : ranks)
-      per_rank.push_back({{"rank", r},
-                          {"fault", e["local"]["fault"]},
-                          {"loss", e["local"]["loss"]},
-                          {"grad_norm", e["local"]["grad_norm"]},
-                          {"nonfinite", e["local"]["nonfinite"]},
-                          {"top_params", e["local"]["top_params"]},
-                          {"sample_ids", e["local"]["sample_ids"]}});
-    ev["per_rank"] = per_rank;
-    (any["decision"] == "abort" ? aborts : skips) += 1;
-    for (const auto& r : any["culprit_ranks"])
-      for (const auto& reason : any["reasons"])
-        culprit_tally[r.get<int64_t>()][reason.get<std::string>()] += 1;
-    for (const auto& id : any["suspect_sample_ids"]) quarantine.insert(id.get<int64_t>());
+    json ev = event_summary(step, ranks);
+    decisions[ev["decision"].get<std::string>()] += 1;
+    for (const auto& id : ev["suspect_sample_ids"]) samples[id.get<int64_t>()] += 1;
     events.push_back(std::move(ev));
   }
   json tally = json::array();
-  for (int64_t r = 0; r < world; ++r) {
-    json reasons = json::object();
-    int64_t n = 0;
-    for (const auto& [reason, c] : culprit_tally[r]) reasons[reason] = c;
-    for (const auto& ev : events)
-      for (const auto& c : ev["culprit_ranks"]) n += c.get<int64_t>() == r;
-    tally.push_back({{"rank", r}, {"culprit_in", n}, {"reasons", reasons}});
-  }
+  for (const auto& [id, n] : samples) tally.push_back({{"id", id}, {"events", n}});
+  std::vector<int64_t> quarantine;
+  for (const auto& [id, n] : samples) quarantine.push_back(id);
   return {{"run_dir", run_dir},
           {"world_size", world},
           {"events", events},
-          {"skips", skips},
-          {"aborts", aborts},
-          {"per_rank", tally},
-          {"quarantine", std::vector<int64_t>(quarantine.begin(), quarantine.end())}};
+          {"skips", decisions["skip"]},
+          {"aborts", decisions["abort"]},
+          {"clips", decisions["clip"]},
+          {"salvages", decisions["salvage"]},
+          {"per_rank", rank_tally(events, world)},
+          {"hardware_suspects", suspects_table(events)},
+          {"samples", tally},
+          {"quarantine", quarantine}};
 }
 
-std::string format_diagnosis(const json& d) {
-  std::string out = fmt::format("lockstep diag {}: {} ranks, {} events ({} skipped, {} aborted)\n",
-                                d["run_dir"].get<std::string>(), d["world_size"].get<int64_t>(),
-                                d["events"].size(), d["skips"].get<int64_t>(),
-                                d["aborts"].get<int64_t>());
-  for (const auto& ev : d["events"]) {
-    std::vector<std::string> reasons = ev["reasons"].get<std::vector<std::string>>();
-    std::vector<int64_t> culprits = ev["culprit_ranks"].get<std::vector<int64_t>>();
-    out += fmt::format("step {:>7}  {:<5}  {:<32}  grad_norm {:<9}  nonfinite {:<8}  loss {:<9}  "
-                       "culprit rank {}\n",
-                       ev["step"].get<int64_t>(), ev["decision"].get<std::string>(),
-                       fmt::format("{}", fmt::join(reasons, ",")), num(ev["global"]["grad_norm"]),
-                       num(ev["global"]["nonfinite"], "{:.0f}"), num(ev["global"]["loss"]),
-                       culprits.empty() ? std::string("unknown")
-                                        : fmt::format("{}", fmt::join(culprits, ",")));
-    if (!ev["guard"].get<std::string>().empty())
-      out += fmt::format("             guard: {}\n", ev["guard"].get<std::string>());
-    for (const auto& pr : ev["per_rank"]) {
-      if (std::find(culprits.begin(), culprits.end(), pr["rank"].get<int64_t>()) == culprits.end())
-        continue;
-      std::vector<std::string> params;
-      for (const auto& p : pr["top_params"]) {
-        if (params.size() == 3) break;
-        params.push_back(p["nonfinite"].get<int64_t>() > 0
-                             ? fmt::format("{} ({} nonfinite)", p["name"].get<std::string>(),
-                                           p["nonfinite"].get<int64_t>())
-                             : fmt::format("{} (norm {})", p["name"].get<std::string>(),
-                                           num(p["norm"])));
-      }
-      out += fmt::format("             rank {}: loss {}, own grad norm {}, {} nonfinite{}; "
-                         "top parameters: {}\n",
-                         pr["rank"].get<int64_t>(), num(pr["loss"]), num(pr["grad_norm"]),
-                         num(pr["nonfinite"], "{:.0f}"),
-                         pr["fault"].get<std::string>().empty()
-                             ? ""
-                             : fmt::format(" (injected fault: {})", pr["fault"].get<std::string>()),
-                         params.empty() ? "-" : fmt::format("{}", fmt::join(params, ", ")));
-    }
-    const auto ids = ev["suspect_sample_ids"].get<std::vector<int64_t>>();
-    if (!ids.empty())
-      out += fmt::format("             suspect samples: [{}]\n", fmt::join(ids, ", "));
+namespace {
+
+// "z 68.7 > 4" against the threshold (0 = that test is off).
+std::string z_vs(const json& z, const json& threshold) {
+  if (!z.is_number()) return "n/a";
+  const double t = threshold.get<double>();
+  return fmt::format("{} {} {:g}", num(z, "{:.4g}"), t > 0 && z.get<double>() > t ? ">" : "<=", t);
+}
+
+// "grad_norm z = 68.7 > 4 (window 0.81 ± 0.02 over 32 steps)"
+std::string zscores_text(const json& ev) {
+  std::vector<std::string> parts;
+  const json& g = ev["global"];
+  const json& w = ev["window"];
+  const json& t = ev["thresholds"];
+  if (g["grad_norm_z"].is_number())
+    parts.push_back(fmt::format("grad_norm z = {} (window {} ± {})",
+                                z_vs(g["grad_norm_z"], t["grad_norm_zscore"]),
+                                num(w["grad_norm_mean"]), num(w["grad_norm_std"])));
+  if (g["loss_z"].is_number())
+    parts.push_back(fmt::format("loss z = {} (window {} ± {})", z_vs(g["loss_z"], t["loss_zscore"]),
+                                num(w["loss_mean"]), num(w["loss_std"])));
+  if (parts.empty()) return "";
+  return fmt::format("{} over {} steps", fmt::join(parts, ", "), w["history"].get<int64_t>());
+}
+
+std::string culprit_line(const json& pr, const json& thresholds) {
+  std::vector<std::string> params;
+  for (const auto& p : pr["top_params"]) {
+    if (params.size() == 3) break;
+    params.push_back(p["nonfinite"].get<int64_t>() > 0
+                         ? fmt::format("{} ({} nonfinite)", p["name"].get<std::string>(),
+                                       p["nonfinite"].get<int64_t>())
+                         : fmt::format("{} (norm {})", p["name"].get<std::string>(), num(p["norm"])));
   }
+  std::string z;
+  if (pr["grad_norm_z"].is_number() || pr["loss_z"].is_number())
+    z = fmt::format(", own z: grad norm {}, loss {}",
+                    z_vs(pr["grad_norm_z"], thresholds["grad_norm_zscore"]),
+                    z_vs(pr["loss_z"], thresholds["loss_zscore"]));
+  return fmt::format("             rank {}: loss {}, own grad norm {}, {} nonfinite{}{}; top "
+                     "parameters: {}\n",
+                     pr["rank"].get<int64_t>(), num(pr["loss"]), num(pr["grad_norm"]),
+                     num(pr["nonfinite"], "{:.0f}"), z,
+                     pr["fault"].get<std::string>().empty()
+                         ? ""
+                         : fmt::format(" (injected fault: {})", pr["fault"].get<std::string>()),
+                     params.empty() ? "-" : fmt::format("{}", fmt::join(params, ", ")));
+}
+
+std::string format_event(const json& ev) {
+  const auto reasons = ev["reasons"].get<std::vector<std::string>>();
+  const auto culprits = ev["culprit_ranks"].get<std::vector<int64_t>>();
+  std::string out = fmt::format(
+      "step {:>7}  {:<7}  {:<32}  grad_norm {:<9}  nonfinite {:<8}  loss {:<9}  culprit rank {}\n",
+      ev["step"].get<int64_t>(), ev["decision"].get<std::string>(),
+      fmt::format("{}", fmt::join(reasons, ",")), num(ev["global"]["grad_norm"]),
+      num(ev["global"]["nonfinite"], "{:.0f}"), num(ev["global"]["loss"]),
+      culprits.empty() ? std::string("none") : fmt::format("{}", fmt::join(culprits, ",")));
+  const std::string scope = ev["scope"].get<std::string>(), cause = ev["cause"].get<std::string>();
+  if (!scope.empty())
+    out += fmt::format("             scope {}, cause {}{}\n", scope, cause.empty() ? "unknown (no replay)" : cause,
+                       ev["dropped_ranks"].empty() ? "" : fmt::format("; dropped rank {}", fmt::join(ev["dropped_ranks"].get<std::vector<int64_t>>(), ", ")));
+  if (const std::string z = zscores_text(ev); !z.empty()) out += "             " + z + "\n";
+  if (!ev["guard"].get<std::string>().empty())
+    out += fmt::format("             guard: {}\n", ev["guard"].get<std::string>());
+  for (const auto& pr : ev["per_rank"])
+    if (std::find(culprits.begin(), culprits.end(), pr["rank"].get<int64_t>()) != culprits.end())
+      out += culprit_line(pr, ev["thresholds"]);
+  for (int64_t c : culprits)
+    if (const std::string r = evidence_of(ev, c); !r.empty())
+      out += fmt::format("             replay of rank {}'s batch: {}\n", c, r);
+  const auto ids = ev["suspect_sample_ids"].get<std::vector<int64_t>>();
+  if (!ids.empty()) out += fmt::format("             suspect samples: [{}]\n", fmt::join(ids, ", "));
+  return out;
+}
+
+}  // namespace
+
+std::string format_diagnosis(const json& d) {
+  std::string out = fmt::format(
+      "lockstep diag {}: {} ranks, {} events ({} skipped, {} aborted, {} clipped, {} salvaged)\n",
+      d["run_dir"].get<std::string>(), d["world_size"].get<int64_t>(), d["events"].size(),
+      d["skips"].get<int64_t>(), d["aborts"].get<int64_t>(), d["clips"].get<int64_t>(),
+      d["salvages"].get<int64_t>());
+  for (const auto& ev : d["events"]) out += format_event(ev);
   out += "per rank:\n";
   for (const auto& r : d["per_rank"]) {
     std::vector<std::string> parts;
@@ -180,6 +292,20 @@ std::string format_diagnosis(const json& d) {
     out += fmt::format("  rank {}: culprit in {} event(s){}\n", r["rank"].get<int64_t>(),
                        r["culprit_in"].get<int64_t>(),
                        parts.empty() ? "" : fmt::format(" ({})", fmt::join(parts, ", ")));
+  }
+  if (!d["samples"].empty()) {
+    std::vector<std::string> parts;
+    for (const auto& s : d["samples"])
+      parts.push_back(fmt::format("{} x{}", s["id"].get<int64_t>(), s["events"].get<int64_t>()));
+    out += fmt::format("suspect samples (events naming each): {}\n", fmt::join(parts, ", "));
+  }
+  if (!d["hardware_suspects"].empty()) {
+    out += "hardware suspects (rank, host, device, steps, evidence):\n";
+    for (const auto& h : d["hardware_suspects"])
+      out += fmt::format("  rank {}  {}  {}  steps {}  {}\n", h["rank"].get<int64_t>(),
+                         h["host"].get<std::string>(), h["device"].get<std::string>(),
+                         fmt::join(h["steps"].get<std::vector<int64_t>>(), ","),
+                         fmt::join(h["evidence"].get<std::vector<std::string>>(), " | "));
   }
   return out;
 }

@@ -21,6 +21,9 @@ json to_json(const Event::RankRow& r) {
     j["local_nonfinite"] = r.local_nonfinite;
     j["shard_nonfinite"] = r.shard_nonfinite;
     j["bad_samples"] = r.bad_samples;
+    j["grad_norm_z"] = json_number(r.grad_norm_z);
+    j["loss_z"] = json_number(r.loss_z);
+    j["dropped"] = r.dropped;
   }
   if (!r.params_crc32.empty()) j["params_crc32"] = r.params_crc32;
   if (!r.optimizer_crc32.empty()) j["optimizer_crc32"] = r.optimizer_crc32;
@@ -37,6 +40,9 @@ Event::RankRow row_from_json(const json& j) {
     r.local_nonfinite = j.at("local_nonfinite").get<int64_t>();
     r.shard_nonfinite = j.at("shard_nonfinite").get<int64_t>();
     r.bad_samples = j.at("bad_samples").get<int64_t>();
+    r.grad_norm_z = number_from_json(j.value("grad_norm_z", json("NaN")));
+    r.loss_z = number_from_json(j.value("loss_z", json("NaN")));
+    r.dropped = j.value("dropped", false);
   }
   r.params_crc32 = j.value("params_crc32", "");
   r.optimizer_crc32 = j.value("optimizer_crc32", "");
@@ -56,7 +62,51 @@ json to_json(const Event::Local& l) {
           {"finite_norm", json_number(l.finite_norm)}, {"nonfinite", l.nonfinite},
           {"fault", l.fault},                       {"sample_ids", l.sample_ids},
           {"sample_losses", losses},                {"top_params_scope", l.top_params_scope},
-          {"top_params", params}};
+          {"top_params", params},                   {"host", l.host},
+          {"device", l.device}};
+}
+
+json to_json(const Event::Replay& r) {
+  return {{"rank", r.rank},           {"by_rank", r.by_rank},
+          {"reproduced", r.reproduced}, {"loss", json_number(r.loss)},
+          {"grad_norm", json_number(r.grad_norm)}, {"nonfinite", r.nonfinite},
+          {"first_loss", json_number(r.first_loss)},
+          {"first_grad_norm", json_number(r.first_grad_norm)}};
+}
+
+Event::Replay replay_from_json(const json& j) {
+  return {j.at("rank").get<int>(), j.at("by_rank").get<int>(), j.at("reproduced").get<bool>(),
+          number_from_json(j.at("loss")), number_from_json(j.at("grad_norm")),
+          j.at("nonfinite").get<int64_t>(), number_from_json(j.at("first_loss")),
+          number_from_json(j.at("first_grad_norm"))};
+}
+
+// What replays, salvages and clips add (events before them read back with the defaults).
+void add_cause(json& j, const Event& e) {
+  json replays = json::array();
+  for (const auto& r : e.replays) replays.push_back(to_json(r));
+  j["scope"] = e.scope;
+  j["cause"] = e.cause;
+  j["replays"] = replays;
+  j["hardware_suspects"] = e.hardware_suspects;
+  j["dropped_ranks"] = e.dropped_ranks;
+  j["global"]["clip_to"] = e.global.clip_to;
+  j["counters"]["clipped_steps"] = e.counters.clipped_steps;
+  j["counters"]["salvaged_steps"] = e.counters.salvaged_steps;
+  j["counters"]["dropped_contributions"] = e.counters.dropped_contributions;
+}
+
+void read_cause(const json& j, Event& e) {
+  e.scope = j.value("scope", "");
+  e.cause = j.value("cause", "");
+  for (const auto& r : j.value("replays", json::array())) e.replays.push_back(replay_from_json(r));
+  e.hardware_suspects = j.value("hardware_suspects", std::vector<int>{});
+  e.dropped_ranks = j.value("dropped_ranks", std::vector<int>{});
+  e.global.clip_to = j.at("global").value("clip_to", 0.0);
+  const json& c = j.at("counters");
+  e.counters.clipped_steps = c.value("clipped_steps", int64_t{0});
+  e.counters.salvaged_steps = c.value("salvaged_steps", int64_t{0});
+  e.counters.dropped_contributions = c.value("dropped_contributions", int64_t{0});
 }
 
 Event::Local local_from_json(const json& j) {
@@ -69,6 +119,8 @@ Event::Local local_from_json(const json& j) {
   l.sample_ids = j.at("sample_ids").get<std::vector<int64_t>>();
   for (const auto& v : j.at("sample_losses")) l.sample_losses.push_back(number_from_json(v));
   l.top_params_scope = j.at("top_params_scope").get<std::string>();
+  l.host = j.value("host", "");
+  l.device = j.value("device", "");
   for (const auto& p : j.at("top_params"))
     l.top_params.push_back({p.at("name").get<std::string>(), p.at("nonfinite").get<int64_t>(),
                             number_from_json(p.at("norm")),
@@ -99,7 +151,7 @@ json to_json(const Event& e) {
   const auto& c = e.counters;
   json ranks = json::array();
   for (const auto& r : e.ranks) ranks.push_back(to_json(r));
-  return {{"step", e.step},
+  json j = {{"step", e.step},
           {"decision", e.decision},
           {"reasons", e.reasons},
           {"guard", e.guard},
@@ -125,6 +177,8 @@ json to_json(const Event& e) {
            {{"step", c.step}, {"optimizer_steps", c.optimizer_steps},
             {"skipped_steps", c.skipped_steps}, {"consecutive_skips", c.consecutive_skips},
             {"overflow_skips", c.overflow_skips}}}};
+  add_cause(j, e);
+  return j;
 }
 
 Event event_from_json(const json& j) {
@@ -155,6 +209,7 @@ Event event_from_json(const json& j) {
   e.counters = {c.at("step").get<int64_t>(), c.at("optimizer_steps").get<int64_t>(),
                 c.at("skipped_steps").get<int64_t>(), c.at("consecutive_skips").get<int64_t>(),
                 c.value("overflow_skips", int64_t{0})};
+  read_cause(j, e);
   return e;
 }
 

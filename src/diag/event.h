@@ -20,6 +20,7 @@ struct Event {
     double grad_norm = kNaN, nonfinite = 0, loss = kNaN, overflow_runs = 0;
     double grad_norm_z = kNaN, loss_z = kNaN;
     double loss_scale = 1;  // the scale the step's gradients carried (fp16); norms are unscaled
+    double clip_to = 0;     // a clip decision: the norm the step was clipped to
   };
   struct Window {  // the detector's window before this step
     int64_t history = 0;
@@ -42,21 +43,34 @@ struct Event {
     std::vector<double> sample_losses;
     std::string top_params_scope;  // "local" (check [A]) or "shard" (check [B])
     std::vector<Param> top_params;
+    std::string host, device;  // where this rank ran (a hardware suspect's address)
   };
   struct RankRow {  // one row of the agreed per-rank table
     int rank = 0;
     bool has_stats = true;  // a desync row holds CRC32s only
     double loss = kNaN, local_grad_norm = kNaN;
     int64_t local_nonfinite = 0, shard_nonfinite = 0, bad_samples = 0;
+    double grad_norm_z = kNaN, loss_z = kNaN;  // its own values against its own windows
+    bool dropped = false;                       // a salvage left its contribution out
     std::string params_crc32, optimizer_crc32;  // desync events only
+  };
+  struct Replay {  // one recomputation of a rank's batch (skip.replay, the probe)
+    int rank = 0, by_rank = 0;
+    bool reproduced = false;
+    double loss = kNaN, grad_norm = kNaN;  // the recomputation's
+    int64_t nonfinite = 0;
+    double first_loss = kNaN, first_grad_norm = kNaN;  // the first computation's
   };
   struct Counters {  // after this step
     int64_t step = 0, optimizer_steps = 0, skipped_steps = 0, consecutive_skips = 0;
     int64_t overflow_skips = 0;
+    int64_t clipped_steps = 0, salvaged_steps = 0, dropped_contributions = 0;
   };
 
   int64_t step = 0;
-  std::string decision;              // "skip" | "abort"
+  std::string decision;              // "skip" | "abort" | "clip" | "salvage" | "step"
+  std::string scope;                 // "local" | "global" | ""
+  std::string cause;                 // data | transient_fault | hardware | instability | ""
   std::vector<std::string> reasons;  // see Verdict::reasons; "desync"
   std::string guard;                 // what turned it into an abort
   Global global;
@@ -67,6 +81,8 @@ struct Event {
   std::vector<RankRow> ranks;
   std::vector<int> culprit_ranks;
   std::vector<int64_t> suspect_sample_ids;
+  std::vector<Replay> replays;
+  std::vector<int> hardware_suspects, dropped_ranks;
   double lr = kNaN;
   Counters counters;
 };

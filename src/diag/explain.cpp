@@ -21,31 +21,69 @@ std::string culprits_text(const std::vector<int>& culprits) {
                      fmt::join(culprits, ", "));
 }
 
-std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, double scale) {
+std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, const Verdict& v) {
   std::vector<Event::RankRow> rows;
   for (size_t r = 0; r < table.size(); ++r) {
     Event::RankRow row;
     row.rank = static_cast<int>(r);
     row.loss = table[r].loss;
-    row.local_grad_norm = norm_of(table[r].local_nonfinite, table[r].local_sumsq) / scale;
+    row.local_grad_norm = norm_of(table[r].local_nonfinite, table[r].local_sumsq) / v.loss_scale;
     row.local_nonfinite = static_cast<int64_t>(table[r].local_nonfinite);
     row.shard_nonfinite = static_cast<int64_t>(table[r].shard_nonfinite);
     row.bad_samples = static_cast<int64_t>(table[r].bad_samples);
+    if (r < v.rank_grad_norm_z.size()) row.grad_norm_z = v.rank_grad_norm_z[r];
+    if (r < v.rank_loss_z.size()) row.loss_z = v.rank_loss_z[r];
+    row.dropped = std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), static_cast<int>(r)) !=
+                  v.dropped_ranks.end();
     rows.push_back(row);
   }
   return rows;
 }
 
+std::vector<Event::Replay> replays_of(const Verdict& v) {
+  std::vector<Event::Replay> out;
+  for (const ReplayResult& r : v.replays)
+    out.push_back({r.rank, r.by_rank, r.reproduced, r.loss,
+                   norm_of(r.local_nonfinite, r.local_sumsq) / v.loss_scale,
+                   static_cast<int64_t>(r.local_nonfinite), r.first_loss,
+                   norm_of(r.first_local_nonfinite, r.first_local_sumsq) / v.loss_scale});
+  return out;
+}
+
+// The samples of one batch whose own loss stands out: nonfinite, or a robust z above `z`.
+std::vector<size_t> outlying_samples(const std::vector<double>& losses, double z) {
+  std::vector<double> finite;
+  for (double l : losses)
+    if (std::isfinite(l)) finite.push_back(l);
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x.empty() ? 0.0 : x[x.size() / 2];
+  };
+  const double m = median(finite);
+  std::vector<double> dev;
+  for (double l : finite) dev.push_back(std::abs(l - m));
+  const double spread = std::max(1.4826 * median(dev), 1e-3 * std::abs(m));
+  std::vector<size_t> out;
+  for (size_t i = 0; i < losses.size(); ++i)
+    if (!std::isfinite(losses[i]) || (finite.size() >= 3 && losses[i] > m + z * spread))
+      out.push_back(i);
+  return out;
+}
+
 }  // namespace
 
-std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& t) {
-  std::vector<int64_t> bad, all;
-  for (int r : v.culprit_ranks)
-    for (size_t i = 0; i < t.ids[r].size(); ++i) {
-      all.push_back(t.ids[r][i]);
-      if (!std::isfinite(t.losses[r][i])) bad.push_back(t.ids[r][i]);
+std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& t, double zscore) {
+  std::vector<int64_t> out;
+  const bool data = v.cause.find(kCauseData) != std::string::npos;
+  for (int r : v.culprit_ranks) {
+    const std::vector<size_t> bad = outlying_samples(t.losses[r], zscore > 0 ? zscore : 6.0);
+    if (!bad.empty()) {
+      for (size_t i : bad) out.push_back(t.ids[r][i]);
+    } else if (data) {  // the replay reproduced it: the batch is the cause, no sample stands out
+      out.insert(out.end(), t.ids[r].begin(), t.ids[r].end());
     }
-  return bad.empty() ? all : bad;
+  }
+  return out;
 }
 
 std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
@@ -69,8 +107,13 @@ std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
 }
 
 Explainer::Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
-                     std::vector<NamedTensor> grads)
-    : thresholds_(thresholds), top_params_(top_params), rank_(rank), grads_(std::move(grads)) {}
+                     std::vector<NamedTensor> grads, std::string host, std::string device)
+    : thresholds_(thresholds),
+      top_params_(top_params),
+      rank_(rank),
+      grads_(std::move(grads)),
+      host_(std::move(host)),
+      device_(std::move(device)) {}
 
 Event Explainer::event(int64_t step, const TrainState& before, const RankStep& mine,
                        const Verdict& v, const std::vector<RankStats>& table,
@@ -81,9 +124,12 @@ Event Explainer::event(int64_t step, const TrainState& before, const RankStep& m
   Event e;
   e.step = step;
   e.decision = decision_name(v.decision);
+  e.scope = v.scope;
+  e.cause = v.cause;
   e.reasons = v.reasons;
   e.guard = v.guard;
-  e.global = {v.grad_norm, v.nonfinite, v.loss, v.overflow_runs, v.grad_norm_z, v.loss_z, scale};
+  e.global = {v.grad_norm,   v.nonfinite, v.loss,  v.overflow_runs,
+              v.grad_norm_z, v.loss_z,    scale, v.clip_to};
   e.window = {detector.history(), detector.grad_norms().mean(), detector.grad_norms().stddev(),
               detector.losses().mean(), detector.losses().stddev()};
   e.thresholds = {thresholds_.max_grad_norm, thresholds_.grad_norm_zscore,
@@ -98,16 +144,80 @@ Event Explainer::event(int64_t step, const TrainState& before, const RankStep& m
              mine.sample_ids,
              mine.sample_losses,
              mine.local_checked ? "local" : "shard",
-             top_params(grads_, own, top_params_, scale)};
-  e.ranks = rank_rows(table, scale);
+             top_params(grads_, own, top_params_, scale),
+             host_,
+             device_};
+  e.ranks = rank_rows(table, v);
   e.culprit_ranks = v.culprit_ranks;
-  e.suspect_sample_ids = suspect_samples(v, samples);
+  e.suspect_sample_ids = suspect_samples(v, samples, thresholds_.loss_zscore);
+  e.replays = replays_of(v);
+  e.hardware_suspects = v.hardware_suspects;
+  e.dropped_ranks = v.dropped_ranks;
   e.lr = lr;
-  e.counters = {step, before.optimizer_steps, before.skipped_steps + (skip ? 1 : 0),
-                detector.consecutive_skips() + (skip ? 1 : 0),
-                before.overflow_skips + (v.overflow ? 1 : 0)};
+  TrainState after = before;
+  count_outcome(after, v);
+  const int64_t consecutive = skip ? detector.consecutive_skips() + 1
+                              : v.updates() ? 0
+                                            : detector.consecutive_skips();
+  e.counters = {step,          before.optimizer_steps, before.skipped_steps + (skip ? 1 : 0),
+                consecutive,   before.overflow_skips + (v.overflow ? 1 : 0),
+                after.clipped_steps, after.salvaged_steps, after.dropped_contributions};
   return e;
 }
+
+void count_outcome(TrainState& st, const Verdict& v) {
+  st.clipped_steps += v.decision == Decision::kClip ? 1 : 0;
+  st.salvaged_steps += v.decision == Decision::kSalvage ? 1 : 0;
+  st.dropped_contributions += static_cast<int64_t>(v.dropped_ranks.size());
+  for (int r : v.hardware_suspects) {
+    const bool transient = std::any_of(v.replays.begin(), v.replays.end(), [&](const auto& x) {
+      return x.rank == r && x.by_rank == r && !x.reproduced;
+    });
+    (transient ? st.transient_faults : st.hardware_faults) += 1;
+  }
+}
+
+namespace {
+
+// "local: culprit rank 1 (cause data)" / "global: most ranks' own values elevated (instability,
+// not data)".
+std::string scope_text(const Event& e) {
+  if (e.scope == "global")
+    return fmt::format("global: {} (instability, not data)",
+                       e.culprit_ranks.empty() ? "most ranks' own values elevated, or none alone"
+                                               : "most ranks");
+  std::string out = (e.scope.empty() ? "" : e.scope + ": ") + culprits_text(e.culprit_ranks);
+  if (!e.cause.empty()) out += " (cause " + e.cause + ")";
+  if (!e.hardware_suspects.empty())
+    out += fmt::format("; device of rank {} suspect, see `lockstep diag`",
+                       fmt::join(e.hardware_suspects, ", "));
+  return out;
+}
+
+std::string numbers_text(const Event& e) {
+  return fmt::format("grad_norm {:.4g}, {} nonfinite, loss {:.4g}", e.global.grad_norm,
+                     static_cast<int64_t>(e.global.nonfinite), e.global.loss);
+}
+
+// How to go past the guard that fired, and what it means.
+std::string guard_hint(const Event& e, const std::string& run_dir) {
+  const std::string exclude = fmt::format(
+      "exclude the suspect samples with `lockstep diag {}` and data.exclude_ids_file", run_dir);
+  if (e.guard.rfind("skip.enabled", 0) == 0)
+    return exclude + ", or set skip.enabled = true to skip such steps";
+  if (e.guard.rfind("skip.on_global_spike", 0) == 0)
+    return "most ranks' own values spiked together: the model or optimizer state, not a batch; "
+           "lower the learning rate, or set skip.on_global_spike = \"clip\" to take such steps "
+           "clipped";
+  if (e.guard.rfind("skip.on_hardware_fault", 0) == 0)
+    return fmt::format("drain the host of rank {} (`lockstep diag {}` lists the suspects) and run "
+                       "the same command without it; exit code 5",
+                       fmt::join(e.hardware_suspects, ", "), run_dir);
+  return exclude + "; to resume past this guard, run the same command with "
+                   "--skip.reset_guards_on_resume true (or raise the guard's limit)";
+}
+
+}  // namespace
 
 std::string skip_message(const Event& e) {
   if (e.reasons == std::vector<std::string>{"loss_scale_overflow"})
@@ -117,11 +227,28 @@ std::string skip_message(const Event& e) {
         "optimizer state untouched; {} overflow skips",
         e.step, static_cast<int64_t>(e.global.nonfinite), e.global.loss_scale,
         e.counters.overflow_skips);
+  if (e.decision == "clip")
+    return fmt::format(
+        "step {}: CLIP ({}) | {} | {} | the step is taken clipped to grad norm {:.4g}; nothing "
+        "quarantined; clipped {} of {}",
+        e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), e.global.clip_to,
+        e.counters.clipped_steps, e.step);
+  if (e.decision == "salvage")
+    return fmt::format(
+        "step {}: SALVAGE ({}) | {} | rank{} {} contributed nothing, the other ranks stepped "
+        "(mean over their tokens) | samples {} | salvaged {} of {}, {} contributions dropped",
+        e.step, fmt::join(e.reasons, ", "), scope_text(e), e.dropped_ranks.size() > 1 ? "s" : "",
+        fmt::join(e.dropped_ranks, ", "), brief_ids(e.suspect_sample_ids),
+        e.counters.salvaged_steps, e.step, e.counters.dropped_contributions);
+  if (e.decision == "step")
+    return fmt::format(
+        "step {}: STEP after replay ({}) | {} | the replayed gradient was synced; the step is "
+        "taken",
+        e.step, fmt::join(e.reasons, ", "), scope_text(e));
   return fmt::format(
-      "step {}: SKIP ({}) | grad_norm {:.4g}, {} nonfinite, loss {:.4g} | {} | samples {} | "
-      "weights and optimizer state untouched; skipped {} of {}",
-      e.step, fmt::join(e.reasons, ", "), e.global.grad_norm,
-      static_cast<int64_t>(e.global.nonfinite), e.global.loss, culprits_text(e.culprit_ranks),
+      "step {}: SKIP ({}) | {} | {} | samples {} | weights and optimizer state untouched; "
+      "skipped {} of {}",
+      e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e),
       brief_ids(e.suspect_sample_ids), e.counters.skipped_steps, e.step);
 }
 
@@ -134,13 +261,10 @@ std::string abort_message(const Event& e, const std::string& saved, const std::s
         "train in bfloat16 (training.mixed_precision_param)",
         e.step, e.guard, static_cast<int64_t>(e.global.nonfinite), e.global.loss_scale,
         e.counters.overflow_skips, saved);
-  return fmt::format(
-      "step {}: aborted on {} ({}) | grad_norm {:.4g}, {} nonfinite, loss {:.4g} | {} | "
-      "samples {} | {}; details in {}/diagnostics; exclude the samples with `lockstep diag "
-      "{}` and data.exclude_ids_file, or enable skip.enabled",
-      e.step, fmt::join(e.reasons, ", "), e.guard, e.global.grad_norm,
-      static_cast<int64_t>(e.global.nonfinite), e.global.loss, culprits_text(e.culprit_ranks),
-      brief_ids(e.suspect_sample_ids), saved, run_dir, run_dir);
+  return fmt::format("step {}: aborted on {} ({}) | {} | {} | samples {} | {}; details in "
+                     "{}/diagnostics; {}",
+                     e.step, fmt::join(e.reasons, ", "), e.guard, numbers_text(e), scope_text(e),
+                     brief_ids(e.suspect_sample_ids), saved, run_dir, guard_hint(e, run_dir));
 }
 
 }  // namespace lockstep

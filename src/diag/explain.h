@@ -25,12 +25,13 @@ struct RankStep {
   FaultKind fault = FaultKind::kNone;
   bool local_checked = false;  // check [A] ran (diagnostics.local_check)
   GradCheckStats local, shard;  // checks [A] (this rank's own gradient) and [B] (its shard)
-  double decision_seconds = 0;  // what the checks and the stats exchange cost
+  StepCosts costs;
 };
 
-// The samples to blame: those of the culprit ranks whose loss is nonfinite, else all of the
-// culprit ranks' batches.
-std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& samples);
+// The samples to blame, in the culprit ranks' batches (local anomalies only): those whose own
+// loss is an outlier in their batch (nonfinite, or above median + z x 1.4826 MAD, z =
+// `zscore`); when none stands out and a replay proved the batch is the cause (data), all of it.
+std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& samples, double zscore);
 
 // The parameters to name: most nonfinite elements first, then the largest norms, at most k.
 // `scale`: the loss scale the checked gradients carry (norms are reported unscaled).
@@ -41,7 +42,7 @@ class Explainer {
  public:
   // `grads` names the tensors of the checks' per-tensor stats.
   Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
-            std::vector<NamedTensor> grads);
+            std::vector<NamedTensor> grads, std::string host, std::string device);
 
   // The event of an anomalous step `step` (1-based). `before` holds the counters before it;
   // `detector` has not recorded it yet.
@@ -54,7 +55,11 @@ class Explainer {
   int64_t top_params_;
   int rank_;
   std::vector<NamedTensor> grads_;
+  std::string host_, device_;
 };
+
+// Adds a decided step's clip, salvage and replay outcomes to the run's counters.
+void count_outcome(TrainState& state, const Verdict& v);
 
 // "step 120: SKIP (nonfinite_grad) | grad_norm nan, ... | culprit rank 1 | samples [...] | ..."
 std::string skip_message(const Event& e);

@@ -1,6 +1,7 @@
 #include "diag/fault.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <string_view>
@@ -12,9 +13,12 @@ namespace lockstep {
 namespace {
 
 // The kinds by name, in the order random faults draw from.
-constexpr FaultKind kKinds[] = {FaultKind::kNanGrad, FaultKind::kInfGrad, FaultKind::kNanLoss,
-                                FaultKind::kSpike,   FaultKind::kCrash,   FaultKind::kDesync,
-                                FaultKind::kOverflow};
+constexpr FaultKind kKinds[] = {
+    FaultKind::kNanGrad,       FaultKind::kInfGrad,       FaultKind::kNanLoss,
+    FaultKind::kSpike,         FaultKind::kCrash,         FaultKind::kDesync,
+    FaultKind::kOverflow,      FaultKind::kTransientNan,  FaultKind::kTransientFlip,
+    FaultKind::kStickyNan,     FaultKind::kStickyFlip,    FaultKind::kSilentFlip,
+    FaultKind::kExcluded};
 
 uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -31,9 +35,8 @@ FaultKind parse_kind(const std::string& text, const std::string& key) {
   }
   const std::string hint = nearest(text, names);
   throw ConfigError(fmt::format(
-      "invalid value for '{}': unknown fault kind \"{}\"{}; expected nan_grad, inf_grad, "
-      "nan_loss, spike, crash, desync or overflow",
-      key, text, hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint)));
+      "invalid value for '{}': unknown fault kind \"{}\"{}; expected one of {}", key, text,
+      hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)", hint), fmt::join(names, ", ")));
 }
 
 }  // namespace
@@ -48,8 +51,24 @@ const char* fault_name(FaultKind kind) {
     case FaultKind::kCrash: return "crash";
     case FaultKind::kDesync: return "desync";
     case FaultKind::kOverflow: return "overflow";
+    case FaultKind::kTransientNan: return "transient_nan";
+    case FaultKind::kTransientFlip: return "transient_flip";
+    case FaultKind::kStickyNan: return "sticky_nan";
+    case FaultKind::kStickyFlip: return "sticky_flip";
+    case FaultKind::kSilentFlip: return "silent_flip";
+    case FaultKind::kExcluded: return "excluded";
   }
   return "?";
+}
+
+bool is_hardware_fault(FaultKind k) {
+  return k == FaultKind::kTransientNan || k == FaultKind::kTransientFlip ||
+         k == FaultKind::kStickyNan || k == FaultKind::kStickyFlip || k == FaultKind::kSilentFlip;
+}
+
+bool is_data_fault(FaultKind k) {
+  return k == FaultKind::kNanGrad || k == FaultKind::kInfGrad || k == FaultKind::kNanLoss ||
+         k == FaultKind::kSpike || k == FaultKind::kOverflow;
 }
 
 std::vector<FaultKind> parse_fault_kinds(const std::string& text, const std::string& key) {

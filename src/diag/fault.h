@@ -22,7 +22,25 @@ enum class FaultKind {
   kCrash,    // the rank SIGKILLs itself (first attempt only: a machine failure)
   kDesync,   // the rank's weights are perturbed after the update (a silent divergence)
   kOverflow, // the loss back-propagated is multiplied by 2^24: fp16 gradients overflow to inf
+  // Hardware: they act on the rank's gradient after backward, whichever batch it computed.
+  // transient_*: the first computation of the step only (a replay comes out clean); sticky_*:
+  // every computation of the step on that rank (a bad device). *_nan: one gradient element
+  // becomes NaN; *_flip: the top exponent bit of the largest element of the last gradient
+  // tensor flips (a finite spike); silent_flip: its lowest mantissa bit flips (no norm test
+  // sees it; the probe, diagnostics.replay_every, does).
+  kTransientNan,
+  kTransientFlip,
+  kStickyNan,
+  kStickyFlip,
+  kSilentFlip,
+  // A test reference for a salvage: this rank's loss back-propagated is multiplied by 0 and
+  // every other rank's by W / (W - k) (k ranks excluded at that step): the run in which this
+  // rank's batch contributed nothing, built without the salvage machinery.
+  kExcluded,
 };
+bool is_hardware_fault(FaultKind kind);
+// Faults that belong to the batch: a replay of that rank's batch, anywhere, meets them again.
+bool is_data_fault(FaultKind kind);
 const char* fault_name(FaultKind kind);  // "" for kNone, else "nan_grad", ...
 
 // One injection from fault.inject: `kind` at 1-based step `step` on rank `rank`.
@@ -52,6 +70,7 @@ class FaultPlan {
   bool has_poison() const { return !poison_.empty(); }
   double spike_factor() const { return spike_factor_; }
   bool empty() const { return inject_.empty() && poison_.empty() && random_p_ == 0; }
+  int64_t world_size() const { return world_size_; }
 
   // One JSON object per (step, rank) with a fault, steps 1..steps: `lockstep config faults`.
   std::string schedule_jsonl(int64_t steps) const;

@@ -102,9 +102,12 @@ double Progress::elapsed() const {
 }
 
 void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDetector& detector,
-                         double lr, double clip, double decision_seconds) {
+                         double lr, double clip, const StepCosts& costs) {
   ++interval_steps_;
-  interval_decision_s_ += decision_seconds;
+  interval_costs_.decision += costs.decision;
+  interval_costs_.sync += costs.sync;
+  interval_costs_.triage += costs.triage;
+  interval_costs_.replay += costs.replay;
   if (state.step % opt_.log_freq != 0 && state.step != opt_.total_steps) return;
   const auto now = Clock::now();
   const double secs = std::chrono::duration<double>(now - interval_start_).count();
@@ -122,13 +125,21 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                   {"lr", lr},
                   {"decision", decision_name(v.decision)},
                   {"ms_per_step", ms_per_step},
-                  {"decision_ms", 1e3 * interval_decision_s_ / steps},
+                  {"decision_ms", 1e3 * interval_costs_.decision / steps},
+                  {"sync_ms", 1e3 * interval_costs_.sync / steps},
+                  {"triage_ms", 1e3 * interval_costs_.triage / steps},
+                  {"replay_ms", 1e3 * interval_costs_.replay / steps},
                   {"tokens_per_s", tok_s},
                   {"mfu", mfu > 0 ? nlohmann::json(mfu) : nlohmann::json()},
                   {"tokens_seen", state.tokens_seen},
                   {"optimizer_steps", state.optimizer_steps},
                   {"skipped_steps", state.skipped_steps},
                   {"overflow_skips", state.overflow_skips},
+                  {"clipped_steps", state.clipped_steps},
+                  {"salvaged_steps", state.salvaged_steps},
+                  {"dropped_contributions", state.dropped_contributions},
+                  {"transient_faults", state.transient_faults},
+                  {"hardware_faults", state.hardware_faults},
                   {"loss_scale", v.loss_scale},
                   {"consecutive_skips", detector.consecutive_skips()},
                   {"skip_rate", static_cast<double>(state.skipped_steps) /
@@ -142,7 +153,7 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                   {"elapsed_s", std::chrono::duration<double>(now - start_).count()}});
   interval_start_ = now;
   interval_steps_ = 0;
-  interval_decision_s_ = 0;
+  interval_costs_ = {};
 }
 
 }  // namespace lockstep

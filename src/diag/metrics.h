@@ -41,11 +41,10 @@ class Progress {
  public:
   explicit Progress(ProgressOptions options);
 
-  // Counts the step `state` has just completed (`decision_seconds`: what its checks and stats
-  // exchange cost, the gradient sync excluded); on a logged step, prints the progress line and
-  // writes the metrics record.
+  // Counts the step `state` has just completed (`costs`: what its decision machinery cost);
+  // on a logged step, prints the progress line and writes the metrics record.
   void step_done(const TrainState& state, const Verdict& verdict, const SkipDetector& detector,
-                 double lr, double clip, double decision_seconds);
+                 double lr, double clip, const StepCosts& costs);
 
   // A validation ran after `step`: its log line and metrics record; its time is left out of
   // the step rates.
@@ -64,7 +63,7 @@ class Progress {
   double last_val_loss_ = -1;  // none yet
   Clock::time_point start_ = Clock::now(), interval_start_ = start_;
   int64_t interval_steps_ = 0;
-  double interval_decision_s_ = 0;
+  StepCosts interval_costs_;
 };
 
 }  // namespace lockstep

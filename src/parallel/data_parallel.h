@@ -60,12 +60,16 @@ class DataParallel {
   virtual void replicate_parameters();
 
   // After backward: the average over ranks of the part of the gradient this rank checks and
-  // updates (ddp: all of it; sharded: its block; the rest is stale).
-  virtual void sync_gradients() = 0;
+  // updates (ddp: all of it; sharded: its block; the rest is stale). `contributors`: the ranks
+  // whose gradient counts (a salvage: the dropped ones zeroed theirs); every rank holds as many
+  // tokens, so the mean over their tokens is the sum divided by it.
+  virtual void sync_gradients(int contributors) = 0;
 
   // The update at learning rate `lr` under `control` (a skip changes nothing anywhere).
   virtual void apply(double lr, const UpdateControl& control) = 0;
   void zero_grad() { flat_grad_.zero_(); }
+  // The buffer every .grad is a view of (a replay saves and restores it).
+  const at::Tensor& gradient_buffer() const { return flat_grad_; }
 
   // Checkpoints hold the fp32 weights (the masters), named like the parameters: what a save
   // writes (in sharded mixed precision gathered piece by piece from the master blocks while

@@ -23,11 +23,11 @@ class Ddp final : public DataParallel {
     flat_param_.copy_(master_);
   }
 
-  void sync_gradients() override {
+  void sync_gradients(int contributors) override {
     stage_for_reduction();
     if (world_ > 1) {
       comm_->all_reduce_sum(reduce_);
-      reduce_.div_(static_cast<double>(world_));
+      reduce_.div_(static_cast<double>(contributors));
     }
     if (!opt_grad_.is_same(reduce_)) opt_grad_.copy_(reduce_);
   }

@@ -55,14 +55,14 @@ class Sharded final : public DataParallel {
     gather_parameters();
   }
 
-  void sync_gradients() override {
+  void sync_gradients(int contributors) override {
     stage_for_reduction();
     if (world_ > 1) {
       in_buckets([&](int64_t from, int64_t n) {
         at::Tensor out = grad_block_.narrow(0, from, n);
         return comm_->reduce_scatter_sum_async(rank_blocks(reduce_, from, n), out);
       });
-      reduce_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(world_));
+      reduce_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(contributors));
     }
     if (opt_grad_block_.defined()) opt_grad_block_.copy_(reduce_.narrow(0, rank_ * block_, block_));
   }

@@ -1,0 +1,95 @@
+#include "compute.h"
+
+#include <ATen/Context.h>
+#include <ATen/ops/empty_like.h>
+
+#include "data/batch.h"
+
+namespace lockstep {
+namespace {
+
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+// Forward and backward of `ids` as rank `batch_rank`'s batch of `step` (in micro-batches of
+// ids.size() / gradient_accumulation_steps, in order). Faults act where bad data would: on the
+// per-sample losses and the loss back-propagated; a bad device's on the gradient after it.
+void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vector<int64_t>& ids,
+               RankStep& out) {
+  const TrainingConfig& t = job.config.training;
+  const int64_t micro_batches = t.gradient_accumulation_steps;
+  const auto per_micro = static_cast<int64_t>(ids.size()) / micro_batches;
+  const double scale = job.scaler->scale();
+  job.faults->begin_computation(batch_rank, index);
+  double loss_sum = 0;
+  out.sample_losses.clear();
+  for (int64_t micro = 0; micro < micro_batches; ++micro) {
+    const std::vector<int64_t> mids(ids.begin() + micro * per_micro,
+                                    ids.begin() + (micro + 1) * per_micro);
+    if (job.config.model.dropout > 0)  // the same masks wherever this batch is recomputed
+      at::manual_seed(mix(static_cast<uint64_t>(job.config.training.seed) ^
+                          mix((static_cast<uint64_t>(step) << 20) ^
+                              (static_cast<uint64_t>(batch_rank) << 8) ^
+                              static_cast<uint64_t>(micro))));
+    at::Tensor batch = load_batch(*job.sampler, mids, t.seq_len, job.device);  // (B, T + 1)
+    at::Tensor x = batch.slice(1, 0, t.seq_len);                               // (B, T)
+    at::Tensor y = batch.slice(1, 1, t.seq_len + 1);                           // (B, T)
+    at::Tensor per_sample = sample_losses(job.model->forward(x, /*train=*/true), y);  // (B)
+    per_sample = job.faults->on_sample_losses(per_sample, mids, micro);
+    at::Tensor loss = per_sample.mean();
+    at::Tensor objective =
+        job.faults->on_objective(loss.div(static_cast<double>(micro_batches)), micro);
+    (scale == 1.0 ? objective : objective.mul(scale)).backward();
+    at::Tensor host = per_sample.detach().to(at::kDouble).cpu();
+    out.sample_losses.insert(out.sample_losses.end(), host.data_ptr<double>(),
+                             host.data_ptr<double>() + host.numel());
+    loss_sum += loss.item<double>();
+  }
+  job.faults->on_gradients(job.dp->grads());
+  out.loss = loss_sum / static_cast<double>(micro_batches);
+  out.sample_ids = ids;
+}
+
+}  // namespace
+
+void forward_backward(Job& job, RankStep& s, int64_t step) {
+  std::vector<int64_t> ids;
+  for (int64_t m = 0; m < job.config.training.gradient_accumulation_steps; ++m) {
+    const std::vector<int64_t> next = job.sampler->next_ids();
+    ids.insert(ids.end(), next.begin(), next.end());
+  }
+  run_batch(job, step, job.ranks.rank, 0, ids, s);
+}
+
+void check_local(Job& job, RankStep& s) {
+  s.local_checked = job.local_check != nullptr;
+  if (s.local_checked) s.local = GradCheck::read(job.local_check->run());
+}
+
+Recompute replayer(Job& job, RankStep& s, int64_t step) {
+  return [&job, &s, step, computations = 0](int batch_rank, const std::vector<int64_t>& ids,
+                                             bool keep) mutable {
+    at::Tensor saved;
+    if (!keep) saved = job.dp->gradient_buffer().clone();
+    job.dp->zero_grad();
+    RankStep replay;
+    run_batch(job, step, batch_rank, ++computations, ids, replay);
+    check_local(job, replay);
+    const ReplayNumbers n{replay.loss, replay.local.sumsq, replay.local.nonfinite};
+    if (keep) {
+      s.loss = replay.loss;
+      s.sample_losses = replay.sample_losses;
+      s.local = replay.local;
+    } else {
+      job.dp->gradient_buffer().copy_(saved);
+    }
+    job.faults->begin_computation(job.ranks.rank, computations);  // no fault on later work
+    return n;
+  };
+}
+
+}  // namespace lockstep

@@ -1,0 +1,26 @@
+// The computation of one rank's batch: forward and backward over its micro-batches, with the
+// faults where bad data or a bad device act, and its local check [A]; and the same batch again
+// for a replay (skip.replay, diagnostics.replay_every): the same samples, data faults and
+// dropout masks (seeded per step, batch rank and micro-batch), on whichever rank recomputes it.
+#pragma once
+
+#include <cstdint>
+
+#include "decide/triage.h"
+#include "diag/explain.h"
+#include "job.h"
+
+namespace lockstep {
+
+// Computation 0 of 1-based step `step`: this rank's next batch from the sampler. Gradients
+// accumulate in .grad (times the loss scale, fp16); losses and samples go into `s`.
+void forward_backward(Job& job, RankStep& s, int64_t step);
+
+// Check [A]: this rank's own gradient before the sync, into s.local (diagnostics.local_check).
+void check_local(Job& job, RankStep& s);
+
+// The Recompute the triage and the probe call at step `step`. A kept replay (a culprit's own)
+// replaces s's loss, sample losses and check [A] with the recomputed ones.
+Recompute replayer(Job& job, RankStep& s, int64_t step);
+
+}  // namespace lockstep
