@@ -61,25 +61,39 @@ def main():
             events.setdefault(e["step"], {})[e["rank"]] = e
             ranks.add(e["rank"])
             ranks.update(r["rank"] for r in e.get("ranks", []))
-    skips = sorted(s for s, es in events.items() if any(e["decision"] == "skip" for e in es.values()))
-    aborts = sorted(s for s, es in events.items() if any(e["decision"] == "abort" for e in es.values()))
+    def steps_with(decision):
+        return sorted(s for s, es in events.items() if any(e["decision"] == decision for e in es.values()))
+    skips, aborts = steps_with("skip"), steps_with("abort")
+    clips, salvages = steps_with("clip"), steps_with("salvage")
+    replayed = steps_with("step")  # taken after a replay repaired a transient fault, or probed
 
     fig, axes = plt.subplots(4, 1, figsize=(11, 12), sharex=True,
                              gridspec_kw={"height_ratios": [3, 3, 2, 2]})
     ax_loss, ax_norm, ax_lr, ax_ranks = axes
     title = f"lockstep run {os.path.abspath(run_dir)}: {len(steps)} logged steps, {len(skips)} skipped"
+    if clips:
+        title += f", {len(clips)} clipped"
+    if salvages:
+        title += f", {len(salvages)} salvaged"
     if aborts:
         title += f", aborted at step {aborts[-1]}"
     fig.suptitle(title, fontsize=11)
 
-    def mark(ax):
-        for s in skips:
-            ax.axvline(s, color="tab:red", alpha=0.35, lw=1)
-        for s in aborts:
-            ax.axvline(s, color="black", ls="--", lw=1.2)
+    # Every decision other than a plain step, as a vertical line; the loss panel's legend names them.
+    marks = [(skips, dict(color="tab:red", alpha=0.35, lw=1), "skipped step"),
+             (clips, dict(color="tab:orange", alpha=0.5, lw=1, ls=":"), "clipped (global spike)"),
+             (salvages, dict(color="tab:blue", alpha=0.4, lw=1, ls="-."), "salvaged (ranks dropped)"),
+             (replayed, dict(color="tab:purple", alpha=0.4, lw=1, ls="--"), "taken after a replay"),
+             (aborts, dict(color="black", ls="--", lw=1.2), "abort")]
+
+    def mark(ax, legend=False):
+        for where, style, label in marks:
+            for i, s in enumerate(where):
+                ax.axvline(s, label=label if legend and i == 0 else None, **style)
 
     # Lines over accepted steps only; a skipped step shows as a marker.
-    accepted = [i for i, s in enumerate(steps) if by_step[s].get("decision", "step") == "step"]
+    updated = ("step", "salvage")  # a clipped step shows as a marker: its loss is the spike
+    accepted = [i for i, s in enumerate(steps) if by_step[s].get("decision", "step") in updated]
     keep = lambda xs: [xs[i] for i in accepted]
     a_steps = keep(steps)
 
@@ -89,12 +103,16 @@ def main():
     fin = [(s, v) for s, v in ev_loss if math.isfinite(v)]
     if fin:
         ax_loss.scatter(*zip(*fin), color="tab:red", marker="x", zorder=3, label="skipped step's loss")
+    clip_loss = [(s, number(next(iter(events[s].values()))["global"]["loss"])) for s in clips]
+    if clip_loss:
+        ax_loss.scatter(*zip(*clip_loss), color="tab:orange", marker="D", zorder=3,
+                        label="clipped step's loss")
     if validation:
         ax_loss.plot([v["step"] for v in validation], [number(v["val_loss"]) for v in validation],
                      color="tab:green", marker="o", ms=3, lw=1.2, label="validation loss")
     ax_loss.set_ylabel("loss")
     ax_loss.set_yscale("log")
-    mark(ax_loss)
+    mark(ax_loss, legend=True)
     ax_loss.legend(loc="upper right", fontsize=8)
 
     # Grad norm with thresholds and z-band
@@ -120,6 +138,10 @@ def main():
     fin = [(s, v) for s, v in ev_norm if math.isfinite(v)]
     if fin:
         ax_norm.scatter(*zip(*fin), color="tab:red", marker="x", zorder=3, label="skipped step's norm")
+    clip_norm = [(s, number(next(iter(events[s].values()))["global"]["grad_norm"])) for s in clips]
+    if clip_norm:
+        ax_norm.scatter(*zip(*clip_norm), color="tab:orange", marker="D", zorder=3,
+                        label="clipped step's norm (before the clip)")
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("grad norm")
     mark(ax_norm)
@@ -130,29 +152,34 @@ def main():
     ax_lr.set_ylabel("learning rate")
     mark(ax_lr)
 
-    # Per-rank anomaly timeline
-    colors = {"nonfinite_grad": "tab:red", "nonfinite_loss": "darkred", "grad_norm_above_max": "tab:orange",
-              "grad_norm_spike": "tab:olive", "loss_spike": "tab:cyan", "loss_scale_overflow": "tab:gray"}
+    # Per-rank anomaly timeline: a culprit's marker is coloured by the cause, shaped by the
+    # decision, and labelled with every reason; a global anomaly (no culprit) sits on the top row.
+    cause_colors = {"data": "tab:red", "transient_fault": "tab:purple", "hardware": "black",
+                    "instability": "tab:orange", "": "tab:gray"}
+    shapes = {"skip": "o", "abort": "X", "clip": "D", "salvage": "s", "step": "^"}
+    n_ranks = max(ranks) + 1 if ranks else 1
     seen = set()
     for s, es in sorted(events.items()):
         e = next(iter(es.values()))
         culprits = set(e.get("culprit_ranks", []))
+        cause = e.get("cause", "")
+        label = f"{e['decision']}: {'+'.join(e['reasons']) or 'unknown'} ({cause or 'cause unknown'})"
+        rows = sorted(culprits) if culprits else [n_ranks]  # the "all ranks" row
+        for r in rows:
+            ax_ranks.scatter([s], [r], color=cause_colors.get(cause, "tab:gray"),
+                             marker=shapes.get(e["decision"], "o"), s=45,
+                             label=label if label not in seen else None, zorder=3)
+            seen.add(label)
         for r in sorted(ranks):
-            if r in culprits:
-                reason = e["reasons"][0] if e["reasons"] else "unknown"
-                label = reason if reason not in seen else None
-                seen.add(reason)
-                ax_ranks.scatter([s], [r], color=colors.get(reason, "gray"),
-                                 marker="X" if e["decision"] == "abort" else "o", s=40, label=label, zorder=3)
-            else:
+            if r not in culprits:
                 ax_ranks.scatter([s], [r], color="lightgray", marker=".", s=12, zorder=2)
-    n_ranks = max(ranks) + 1 if ranks else 1
-    ax_ranks.set_yticks(range(n_ranks))
-    ax_ranks.set_ylim(-0.5, n_ranks - 0.5)
+    ax_ranks.set_yticks(range(n_ranks + 1))
+    ax_ranks.set_yticklabels([str(r) for r in range(n_ranks)] + ["all (global)"])
+    ax_ranks.set_ylim(-0.5, n_ranks + 0.5)
     ax_ranks.set_ylabel("rank (culprit)")
     ax_ranks.set_xlabel("step")
     if seen:
-        ax_ranks.legend(loc="upper right", fontsize=8)
+        ax_ranks.legend(loc="upper left", fontsize=7, ncol=2)
     ax_ranks.grid(axis="y", alpha=0.3)
 
     fig.tight_layout()
@@ -160,7 +187,8 @@ def main():
     fig.savefig(tmp, dpi=110)
     os.replace(tmp, out)
     print(f"lockstep report: wrote {out} ({len(steps)} logged steps, {len(validation)} validations, "
-          f"{len(events)} events, {len(skips)} skips)")
+          f"{len(events)} events, {len(skips)} skips, {len(clips)} clips, {len(salvages)} salvages, "
+          f"{len(aborts)} aborts)")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 
 #include <c10/core/Device.h>
 
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -49,6 +51,7 @@ struct Job {
   std::unique_ptr<SkipDetector> detector;    // the decision and its windows
   std::unique_ptr<LossScaler> scaler;        // fp16 loss scaling (scale 1 when off)
   std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
+  std::map<int, std::vector<int64_t>> suspects;  // ranks a replay or probe blamed, by step
   std::unique_ptr<Explainer> explainer;      // events of anomalous steps
   std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl
   std::unique_ptr<Checkpointer> checkpointer;

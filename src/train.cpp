@@ -92,6 +92,7 @@ double apply(Job& job, const Verdict& v, double lr) {
   job.detector->record(v);
   job.scaler->record(v.overflow, !skip);  // the same verdict everywhere: the same scale
   job.faults->after_update(job.model->parameters());
+  for (int r : v.hardware_suspects) job.suspects[r].push_back(job.state.step + 1);
   TrainState& st = job.state;
   st.step += 1;
   st.optimizer_steps += skip ? 0 : 1;
@@ -159,9 +160,9 @@ void verify(Job& job, int64_t& last_verified) {
     return;
   }
   job.events->write(to_json(
-      desync_event(job.state.step, job.ranks.rank, job.faults->current(), vote)));
+      desync_event(job.state.step, job.ranks.rank, job.faults->current(), vote, job.suspects)));
   log::flush();
-  throw TrainingAborted(desync_message(job.state.step, last_verified, vote));
+  throw TrainingAborted(desync_message(job.state.step, last_verified, vote, job.suspects));
 }
 
 // The held-out loss (every rank evaluates its share).

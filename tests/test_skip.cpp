@@ -125,7 +125,7 @@ TEST(SkipDetector, ZScoresActAfterMinHistoryAndTheOutlierNeverEntersTheWindow) {
   const int64_t history = d.history();
 
   auto spike = healthy(2, 50.0, 3.0);
-  spike[0].local_sumsq = 2500;  // rank 0's own gradient is the big one
+  spike[1].local_sumsq = 1.0;  // rank 0's own gradient is the big one: a local anomaly
   Verdict v = d.decide(spike);
   EXPECT_EQ(v.decision, Decision::kSkip);
   EXPECT_EQ(v.reasons, std::vector<std::string>{"grad_norm_spike"});

@@ -377,7 +377,7 @@ TEST(Reliability, TorchrunRestartResumesFromTheLatestCheckpoint) {
   expect_restart_resumes(Launcher::kTorchrun);
 }
 
-TEST(Reliability, DesyncIsCaughtAndNamesTheDivergingRank) {
+TEST(Reliability, DesyncIsCaughtAndNamesTheDivergingRankOrSaysThereIsNoMajority) {
   test::TempDir dir;
   auto r = run_ranks(3, dir.path(), 20,
                      "--diagnostics.verify_every 5 --fault.inject desync@7:2");
@@ -388,6 +388,21 @@ TEST(Reliability, DesyncIsCaughtAndNamesTheDivergingRank) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0]["reasons"], json::array({"desync"}));
   EXPECT_EQ(events[0]["culprit_ranks"], json::array({2}));
+  // Two ranks: no majority. Both disagree and neither is named, unless a replay blamed one.
+  auto two = run_ranks(2, dir / "two", 20, "--diagnostics.verify_every 5 --fault.inject desync@7:1");
+  EXPECT_NE(two.code, 0) << two.out;
+  EXPECT_NE(two.out.find("step 10: desync: ranks 0, 1 disagree"), std::string::npos) << two.out;
+  EXPECT_NE(two.out.find("no majority of 2 ranks says which diverged;"), std::string::npos)
+      << two.out;
+  EXPECT_EQ(read_jsonl(dir / "two/diagnostics/rank0.jsonl")[0]["culprit_ranks"], json::array());
+  auto told = run_ranks(2, dir / "told", 20,
+                        "--diagnostics.verify_every 5 --skip.replay self --skip.min_history 4 "
+                        "--fault.inject 'transient_nan@6:1, desync@7:1'");
+  EXPECT_NE(told.code, 0) << told.out;
+  EXPECT_NE(told.out.find("rank 1 is the likely one: a replay or probe blamed its device at "
+                          "step 6"),
+            std::string::npos)
+      << told.out;
   // Without the fault the same check passes at every 5th step.
   auto ok = run_ranks(3, dir / "ok", 20, "--diagnostics.verify_every 5");
   EXPECT_EQ(ok.code, 0) << ok.out;

@@ -293,11 +293,17 @@ std::string format_diagnosis(const json& d) {
                        r["culprit_in"].get<int64_t>(),
                        parts.empty() ? "" : fmt::format(" ({})", fmt::join(parts, ", ")));
   }
-  if (!d["samples"].empty()) {
+  if (!d["samples"].empty()) {  // the most named first
+    std::vector<json> samples(d["samples"].begin(), d["samples"].end());
+    std::stable_sort(samples.begin(), samples.end(), [](const json& a, const json& b) {
+      return a["events"].get<int64_t>() > b["events"].get<int64_t>();
+    });
     std::vector<std::string> parts;
-    for (const auto& s : d["samples"])
-      parts.push_back(fmt::format("{} x{}", s["id"].get<int64_t>(), s["events"].get<int64_t>()));
-    out += fmt::format("suspect samples (events naming each): {}\n", fmt::join(parts, ", "));
+    for (size_t i = 0; i < samples.size() && i < 12; ++i)
+      parts.push_back(fmt::format("{} x{}", samples[i]["id"].get<int64_t>(),
+                                  samples[i]["events"].get<int64_t>()));
+    out += fmt::format("suspect samples (events naming each): {}{}\n", fmt::join(parts, ", "),
+                       samples.size() > 12 ? fmt::format(", ... {} in all", samples.size()) : "");
   }
   if (!d["hardware_suspects"].empty()) {
     out += "hardware suspects (rank, host, device, steps, evidence):\n";

@@ -182,10 +182,18 @@ namespace {
 // "local: culprit rank 1 (cause data)" / "global: most ranks' own values elevated (instability,
 // not data)".
 std::string scope_text(const Event& e) {
-  if (e.scope == "global")
+  if (e.scope == "global") {
+    int64_t elevated = 0;
+    for (const auto& r : e.ranks)
+      elevated += r.local_nonfinite > 0 || r.grad_norm_z > e.thresholds.grad_norm_zscore ||
+                          r.loss_z > e.thresholds.loss_zscore
+                      ? 1
+                      : 0;
     return fmt::format("global: {} (instability, not data)",
-                       e.culprit_ranks.empty() ? "most ranks' own values elevated, or none alone"
-                                               : "most ranks");
+                       elevated > 0 ? fmt::format("{} of {} ranks' own values elevated", elevated,
+                                                  e.ranks.size())
+                                    : std::string("no rank stands out alone"));
+  }
   std::string out = (e.scope.empty() ? "" : e.scope + ": ") + culprits_text(e.culprit_ranks);
   if (!e.cause.empty()) out += " (cause " + e.cause + ")";
   if (!e.hardware_suspects.empty())
