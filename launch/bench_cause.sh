@@ -6,7 +6,8 @@
 #   probe  diagnostics.replay_every = 10: every 10th step one rank recomputes a neighbour's batch
 # Printed: median ms/step per side, the pre-sync exchange's latency as the trainer measures it
 # (metrics triage_ms), the probe's cost per probe and as a fraction of step time for N = 100
-# and 1000 (from the measured cost at N = 10), with the machine and sizes.
+# and 1000 (from the measured cost at N = 10), and the all-gather's own latency (lockstep bench
+# comm, 128 B = 64 B x 2 ranks, best of 50), with the machine and sizes.
 #
 #   launch/bench_cause.sh [ROUNDS=4] [STEPS=200]
 set -euo pipefail
@@ -51,11 +52,16 @@ med = lambda n, i: statistics.median(r[i] for r in rows(n))
 base, rank, probe = (1e3 * med(n, 0) / steps for n in ("base", "rank", "probe"))
 print(f"step time (wall / steps): base {base:.3f} ms, scope=rank {rank:.3f} ms ({rank / base:.3f}x), "
       f"replay_every=10 {probe:.3f} ms ({probe / base:.3f}x)")
-print(f"pre-sync exchange (skip.scope = rank or skip.replay on), measured in the trainer: "
-      f"{med('rank', 2):.4f} ms per step (one all-gather of 64 B per rank)")
+print(f"pre-sync exchange (skip.scope = rank or skip.replay on), as the trainer times it: "
+      f"{med('rank', 2):.3f} ms per step; it is the first collective after backward, so this "
+      f"includes waiting for the slower rank's backward, which the gradient sync absorbs "
+      f"without it (hence the step-time ratio above)")
 per_probe = max(probe - base, 0.0) * 10  # one probe per 10 steps
 print(f"probe: {per_probe:.2f} ms per probe (rank 0's own recomputation: "
       f"{med('probe', 3) * 10 * 2:.2f} ms; it probes every other time); cost as a fraction of step time: "
       f"N=10 {per_probe / (10 * base) * 100:.2f} %, N=100 {per_probe / (100 * base) * 100:.3f} %, "
       f"N=1000 {per_probe / (1000 * base) * 100:.4f} %")
 PY
+echo "the exchange's own latency (all-gather of 64 B x 2 ranks, best of 50 after warm-up):"
+"$bin/lockstep-run" --nproc-per-node 2 -- "$bin/lockstep" bench comm --ops all_gather --sizes 128 \
+  --iters 50 2>&1 | grep -E "^(\[rank 0\] )?all_gather"
