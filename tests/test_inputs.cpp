@@ -100,7 +100,9 @@ TEST(Inputs, ADataFileTruncatedWhileTrainingIsNamed) {
 
 TEST(Inputs, RendezvousProblemsAreOneLineAndBounded) {
   test::TempDir dir;
-  // No store at all: one line (no LibTorch backtrace), within the init timeout and a little.
+  // No store at all: one line (no LibTorch backtrace), within the init timeout and a little
+  // (the slack covers loading LibTorch while CI runs the 3 GB checkpoint test beside it: 9 s
+  // were seen there; the default timeout it must not wait for is 300 s).
   const int port = test::free_port();
   const auto start = Clock::now();
   CliRun r = run_within(60, job(dir / "a", 2, "--comm.init_timeout_seconds 3"),
@@ -110,14 +112,14 @@ TEST(Inputs, RendezvousProblemsAreOneLineAndBounded) {
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_EQ(lines(r.out), 1) << r.out;
   EXPECT_NE(r.out.find("cannot reach the rendezvous store"), std::string::npos) << r.out;
-  EXPECT_LT(secs, 3 + 5) << r.out;
+  EXPECT_LT(secs, 3 + 12) << r.out;
   // Rank 0 alone: the rendezvous ends within its timeout.
   const auto alone = Clock::now();
   r = run_within(60, job(dir / "b", 2, "--comm.init_timeout_seconds 3"),
                  "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port));
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_EQ(lines(r.out), 1) << r.out;
-  EXPECT_LT(std::chrono::duration<double>(Clock::now() - alone).count(), 3 + 5) << r.out;
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - alone).count(), 3 + 12) << r.out;
   // The port is taken: a usage error (exit 2) naming the fix.
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
