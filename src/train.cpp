@@ -1,10 +1,11 @@
 // The training loop and the step, nothing else. The step reads like the data flow it runs:
 //
-//   forward/backward over the micro-batches
-//   -> measure: [A] this rank's own gradient, the gradient sync, [B] the slice it checks,
-//               one small all-gather of every rank's 64-byte stats
-//   -> decide: STEP, SKIP or ABORT, the same on every rank by construction
-//   -> explain: only when anomalous (events, the culprit ranks, samples and parameters)
+//   forward/backward over the micro-batches, then [A] this rank's own gradient
+//   -> triage (skip.scope = "rank", skip.replay): local outliers, replays, ranks to drop
+//   -> measure: the gradient sync, [B] the slice it checks, one small all-gather of every
+//               rank's 64-byte stats; the probe (diagnostics.replay_every)
+//   -> decide: STEP, SKIP, CLIP, SALVAGE or ABORT, the same on every rank by construction
+//   -> explain: only when anomalous (events, scope and cause, culprits, samples, parameters)
 //   -> apply: fused AdamW with found_inf (a skip) and grad_scale (the clip), counters
 //
 // job.cpp builds every component from the config; each component owns its algorithm.
