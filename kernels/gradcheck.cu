@@ -4,9 +4,15 @@
 // thread reads 16-byte vectors (scalar head and tail peeled off so the vectors are aligned),
 // squares into an fp32 register (a bounded run: one thread's share of one chunk) and counts
 // nonfinite elements; warps reduce counts with __reduce_add_sync and sums with shuffles; each
-// block writes one result per chunk. The last block to finish (a ticket counter) reduces the
-// chunk results in a fixed order into per-tensor and total stats, then resets the counter, so
-// the same input always gives the same bits and the launch can be replayed in a CUDA graph.
+// block writes one result per chunk. The last block to finish (a wrap-around ticket: atomicInc
+// returns the counter to 0 as the last block takes its ticket, so no launch ever leaves it
+// non-zero) reduces the chunk results in a fixed order into per-tensor and total stats, so the
+// same input always gives the same bits and the launch can be replayed in a CUDA graph.
+// Launches of one plan share its chunk buffers: cuda_check orders them with an event, so a
+// launch from another stream waits for the previous one instead of racing it.
+//
+// A chunk is one overflow run (kernels/gradcheck.h): kRunElems elements of a segment, cut from
+// its start as the CPU cuts its runs, counted once when any of its partials overflowed.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -19,7 +25,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kChunkElems = 32768;
+constexpr int64_t kChunkElems = kRunElems;  // a chunk is one run: the same overflow_runs
 
 struct Chunk {
   const void* ptr;
@@ -208,6 +214,7 @@ __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double*
           else
             ++nf;
         });
+        ovf = isfinite(sumsq) ? 0 : 1;  // beyond fp64: reported, not recovered (as on the CPU)
     }
     const double s = block_sum(sumsq, dsm);
     const unsigned long long n = block_count(nf, usm);
@@ -215,14 +222,16 @@ __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double*
     if (threadIdx.x == 0) {
       p.chunk_sumsq[ci] = s;
       p.chunk_nonfinite[ci] = n;
-      p.chunk_overflow[ci] = static_cast<unsigned int>(o);
+      // fp64: the chunk's sum may overflow although no thread's did.
+      p.chunk_overflow[ci] = o > 0 || (c.dtype == 3 && !isfinite(s)) ? 1u : 0u;
     }
   }
 
   // The last block to arrive reduces every chunk result in a fixed order.
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.ticket, 1u) == gridDim.x - 1;
+  // atomicInc(t, n) stores (old >= n ? 0 : old + 1): the last of gridDim.x blocks resets it.
+  if (threadIdx.x == 0) is_last = atomicInc(p.ticket, gridDim.x - 1) == gridDim.x - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
@@ -257,7 +266,6 @@ __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double*
     out[0] = tn;
     out[1] = ts;
     out[2] = to;
-    *p.ticket = 0;  // ready for the next launch (or graph replay)
   }
 }
 
@@ -286,6 +294,8 @@ struct CudaPlan {
   PlanView view{};
   void* chunk_mem = nullptr;  // one allocation for every device array
   int grid = 1;
+  int device = 0;                // where the plan's memory lives
+  cudaEvent_t done = nullptr;    // recorded after each launch; the next one waits for it
 };
 
 int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
@@ -332,11 +342,13 @@ int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gradcheck_kernel, kThreads, 0);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&plan->done, cudaEventDisableTiming);
   if (e != cudaSuccess) {
     cudaFree(plan->chunk_mem);
     delete plan;
     return e;
   }
+  plan->device = device;
   plan->view = {reinterpret_cast<const Chunk*>(base),
                 reinterpret_cast<const int32_t*>(base + off_first),
                 reinterpret_cast<double*>(base + off_sumsq),
@@ -355,14 +367,27 @@ int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
 
 void cuda_plan_destroy(CudaPlan* plan) {
   if (!plan) return;
+  if (plan->done) cudaEventDestroy(plan->done);
   cudaFree(plan->chunk_mem);
   delete plan;
 }
 
+int cuda_plan_device(const CudaPlan* plan) { return plan->device; }
+
 int cuda_check(const CudaPlan* plan, double* out, void* stream) {
-  gradcheck_kernel<<<plan->grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(plan->view,
-                                                                                   out);
-  return cudaGetLastError();
+  auto s = static_cast<cudaStream_t>(stream);
+  // Eager launches are ordered after the plan's previous launch, whatever its stream; inside a
+  // graph capture the graph orders its own nodes (and an event recorded outside it may not be
+  // waited on there).
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(s, &capturing);
+  const bool eager = e == cudaSuccess && capturing == cudaStreamCaptureStatusNone;
+  if (e == cudaSuccess && eager) e = cudaStreamWaitEvent(s, plan->done, 0);
+  if (e != cudaSuccess) return e;
+  gradcheck_kernel<<<plan->grid, kThreads, 0, s>>>(plan->view, out);
+  e = cudaGetLastError();
+  if (e == cudaSuccess && eager) e = cudaEventRecord(plan->done, s);
+  return e;
 }
 
 int cuda_sum(const CudaPlan* plan, double* out, void* stream) {

@@ -2,11 +2,12 @@
 // exact count of nonfinite elements (nan, +inf, -inf) and the sum of squares of the finite
 // elements. Framework-free: raw pointers in, plain structs out (CPU) or a device buffer (CUDA).
 //
-// Numerics: squares are accumulated in fp32 within bounded runs (kRunElems elements per run on
-// the CPU, one thread's share of a chunk on CUDA) and in fp64 across runs. When a run's fp32
-// partial overflows although all its elements are finite (|x| > ~1.8e19), that run is summed
-// again in fp64 and counted in `overflow_runs`: "nonfinite values" and "a norm too large for
-// fp32" are different facts and are reported apart.
+// Numerics: squares are accumulated in fp32 partials within bounded runs and in fp64 across
+// runs. A *run* is kRunElems consecutive elements of a segment, cut from the segment's start, on
+// the CPU and on CUDA alike. When a run's fp32 partials overflow although all its elements are
+// finite (|x| > ~1.8e19), the run is summed again in fp64 and counted once in `overflow_runs`
+// (fp64 data: a run whose fp64 sum overflows is counted, and its sum stays inf): "nonfinite
+// values" and "a norm too large for fp32" are different facts and are reported apart.
 #pragma once
 
 #include <cstdint>
@@ -69,9 +70,11 @@ struct CudaPlan;
 int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
                      CudaPlan** plan);
 void cuda_plan_destroy(CudaPlan* plan);
+int cuda_plan_device(const CudaPlan* plan);  // the device it was built on
 
 // One launch: writes stats_size(num_tensors) doubles to `out` (device memory) on `stream`
-// (a cudaStream_t). The result is bitwise deterministic for a given plan and input.
+// (a cudaStream_t of the plan's device). The result is bitwise deterministic for a given plan
+// and input. Eager launches of one plan are ordered (an event), also across streams.
 int cuda_check(const CudaPlan* plan, double* out, void* stream);
 
 // The speed-of-light baseline on the device: a plain vectorized sum over the same chunks,

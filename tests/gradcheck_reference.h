@@ -68,4 +68,22 @@ inline std::vector<NamedTensor> random_grads(const std::vector<int64_t>& sizes,
   return out;
 }
 
+// What an overflow run is, the same on every device: kernels::kRunElems elements of a segment
+// cut from its start, counted once when its partial sums overflow. Two tensors: in the first,
+// two huge values share run 0 and a third sits in run 2; in the second, one in run 0. `huge`:
+// a value whose square overflows the accumulation (1e30 for fp32 partials, 1e200 for fp64).
+// Three overflow runs.
+inline std::vector<NamedTensor> overflow_runs_case(c10::Device device, at::ScalarType dtype,
+                                                   double huge) {
+  const int64_t run = kernels::kRunElems;
+  at::Tensor a = at::zeros({3 * run + 100}, at::TensorOptions().dtype(dtype));
+  at::Tensor b = at::zeros({run + 5}, at::TensorOptions().dtype(dtype));
+  a.select(0, 5).fill_(huge);
+  a.select(0, 100).fill_(-huge);
+  a.select(0, 2 * run + 7).fill_(huge);
+  b.select(0, 3).fill_(huge);
+  return {{"a", a.to(device)}, {"b", b.to(device)}};
+}
+constexpr double kOverflowRunsInCase = 3;
+
 }  // namespace lockstep::test

@@ -62,10 +62,6 @@ void warm_up(SkipDetector& d, int w, int n) {
   }
 }
 
-bool has(const std::vector<std::string>& v, const std::string& s) {
-  return std::find(v.begin(), v.end(), s) != v.end();
-}
-
 }  // namespace
 
 TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
@@ -108,7 +104,9 @@ TEST(Scope, OnGlobalSpikeSkipOrAbortAsConfigured) {
     Verdict v = d.decide(ranks_at(2, 50.0, 3.0));
     EXPECT_EQ(v.decision, expected);
     EXPECT_EQ(v.scope, "global");
-    if (expected == Decision::kAbort) EXPECT_EQ(v.guard, "skip.on_global_spike = abort");
+    if (expected == Decision::kAbort) {
+      EXPECT_EQ(v.guard, "skip.on_global_spike = abort");
+    }
   }
 }
 

@@ -79,6 +79,31 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, GradCheckDtype,
                          ::testing::Values(at::kFloat, at::kBFloat16, at::kHalf, at::kDouble),
                          [](const auto& info) { return std::string(c10::toString(info.param)); });
 
+TEST(GradCheck, AnOverflowRunIsOneRunOfASegmentOnEveryDtype) {
+  for (auto [dt, huge] : {std::pair{at::kFloat, 1e30}, std::pair{at::kBFloat16, 1e30},
+                          std::pair{at::kDouble, 1e200}}) {
+    auto grads = test::overflow_runs_case(kCpu, dt, huge);
+    const auto got = run_check(grads);
+    EXPECT_EQ(got.overflow_runs, test::kOverflowRunsInCase) << c10::toString(dt);
+    EXPECT_EQ(got.nonfinite, 0) << c10::toString(dt);
+    // fp64 squares beyond fp64 stay inf (reported, not recovered); fp32 ones are redone in fp64.
+    EXPECT_EQ(std::isfinite(got.sumsq), dt != at::kDouble) << c10::toString(dt);
+  }
+}
+
+TEST(GradCheck, AMovedTensorIsRefusedNotReadStale) {
+  at::Tensor t = at::full({1000}, 1.0f);
+  GradCheck check({{"w", t}});
+  EXPECT_EQ(GradCheck::read(check.run()).sumsq, 1000);
+  t.set_(at::full({1000}, 2.0f));  // the same tensor, new memory
+  try {
+    check.run();
+    FAIL() << "a check over moved memory must refuse to run";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'w' moved"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GradCheck, HugeFiniteValuesOverflowFp32ButNotTheNorm) {
   // 1e30 squared is 1e60: finite, far beyond fp32. Not a nonfinite gradient, a large norm.
   for (auto dt : {at::kFloat, at::kBFloat16}) {

@@ -65,6 +65,38 @@ TEST(GradCheckCuda, OverflowIsNotNonfinite) {
   EXPECT_NEAR(got.sumsq, 1e60 + 4e50, 1e-12 * 1e60);
 }
 
+TEST(GradCheckCuda, OverflowRunsMeanTheSameAsOnTheCpu) {
+  SKIP_WITHOUT_GPU();
+  for (auto [dt, huge] : {std::pair{at::kFloat, 1e30}, std::pair{at::kBFloat16, 1e30},
+                          std::pair{at::kDouble, 1e200}}) {
+    auto grads = lockstep::test::overflow_runs_case(kCuda, dt, huge);
+    const auto got = run_check(grads), cpu = run_check(to_cpu(grads));
+    EXPECT_EQ(got.overflow_runs, lockstep::test::kOverflowRunsInCase) << c10::toString(dt);
+    EXPECT_EQ(got.overflow_runs, cpu.overflow_runs) << c10::toString(dt);
+    EXPECT_EQ(std::isfinite(got.sumsq), dt != at::kDouble) << c10::toString(dt);
+  }
+}
+
+// Two streams launching the same plan back to back, unsynchronised: each launch waits for the
+// previous one (the plan's event), so every result is right and the ticket stays sound after.
+TEST(GradCheckCuda, OnePlanLaunchedFromTwoStreamsGivesCorrectResults) {
+  SKIP_WITHOUT_GPU();
+  auto grads = random_grads({1 << 22, 4097, 3}, at::kFloat, kCuda);
+  grads[1].tensor.select(0, 7).fill_(kNan);
+  GradCheck check(grads);
+  const at::Tensor eager = check.run().clone();
+  c10::cuda::CUDAStream a = c10::cuda::getStreamFromPool(), b = c10::cuda::getStreamFromPool();
+  std::vector<at::Tensor> results;
+  for (int i = 0; i < 20; ++i) {
+    c10::cuda::CUDAStreamGuard guard(i % 2 == 0 ? a : b);
+    results.push_back(check.run().clone());
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (size_t i = 0; i < results.size(); ++i)
+    EXPECT_TRUE(at::equal(results[i], eager)) << "launch " << i;
+  EXPECT_TRUE(at::equal(check.run(), eager)) << "a later launch";
+}
+
 TEST(GradCheckCuda, TinyTensorsShardsAndUnalignedViews) {
   SKIP_WITHOUT_GPU();
   std::vector<int64_t> sizes;
@@ -100,6 +132,7 @@ TEST(GradCheckCuda, CapturedInACudaGraphAndReplayed) {
   grads[1].tensor.select(0, 3).fill_(kNan);
   GradCheck check(grads);
   at::Tensor eager = check.run().clone();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the eager launch ends before the capture
 
   c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool();
   c10::cuda::CUDAStreamGuard guard(stream);

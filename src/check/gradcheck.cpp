@@ -93,6 +93,8 @@ void GradCheck::build_table() {
     }
     base += n;
   }
+  pointers_.clear();
+  for (const auto& g : grads_) pointers_.push_back(g.tensor.const_data_ptr());
   for (const auto& seg : segments_)
     for (int64_t start = 0; start < seg.count; start += kBlockElems)
       blocks_.push_back({static_cast<const char*>(seg.ptr) + start * kernels::dtype_size(seg.dtype),
@@ -102,11 +104,21 @@ void GradCheck::build_table() {
   out_ = at::empty({size}, grads_[0].tensor.options().dtype(at::kDouble));
   cuda_.reset();
 #ifdef LOCKSTEP_WITH_CUDA
-  if (device.is_cuda()) cuda_ = Cuda::create(segments_, num_tensors());
+  if (device.is_cuda()) cuda_ = Cuda::create(segments_, num_tensors(), device.index());
 #endif
 }
 
+void GradCheck::check_pointers() const {
+  for (size_t i = 0; i < grads_.size(); ++i)
+    if (grads_[i].tensor.const_data_ptr() != pointers_[i])
+      throw std::logic_error(fmt::format(
+          "gradient check: the memory of tensor '{}' moved since the check was built (its "
+          "storage was replaced); build the check again over the tensors as they are now",
+          grads_[i].name));
+}
+
 at::Tensor GradCheck::run() {
+  check_pointers();  // the plan holds raw pointers: a moved tensor would be read stale
 #ifdef LOCKSTEP_WITH_CUDA
   if (cuda_) {
     cuda_->run(out_.data_ptr<double>());
@@ -138,6 +150,7 @@ at::Tensor GradCheck::run() {
 }
 
 void GradCheck::sum_baseline() {
+  check_pointers();
   if (!sum_out_.defined()) sum_out_ = at::empty({1}, out_.options());
 #ifdef LOCKSTEP_WITH_CUDA
   if (cuda_) {

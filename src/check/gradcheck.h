@@ -46,11 +46,14 @@ class GradCheck {
 
  private:
   void build_table();
+  // Throws std::logic_error naming the tensor whose memory moved since build_table().
+  void check_pointers() const;
 
   std::vector<NamedTensor> grads_;
   int64_t offset_, length_;
   std::vector<kernels::Segment> segments_;
   std::vector<kernels::Segment> blocks_;  // segments cut into the units of CPU parallelism
+  std::vector<const void*> pointers_;      // each tensor's memory when the table was built
   at::Tensor out_, sum_out_;
   struct Cuda;
   std::unique_ptr<Cuda> cuda_;

@@ -9,8 +9,9 @@
 namespace lockstep {
 
 struct GradCheck::Cuda {
+  // Builds the plan on CUDA device `device` (the gradients').
   static std::unique_ptr<Cuda> create(const std::vector<kernels::Segment>& segments,
-                                      int num_tensors);
+                                      int num_tensors, int device);
   void run(double* out);
   void sum(double* out);
   ~Cuda();
