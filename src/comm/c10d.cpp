@@ -1,6 +1,7 @@
 // The Comm over a LibTorch c10d process group, one class for every c10d backend (Gloo, NCCL):
 // tensors that do not live where the library wants them are staged there and copied back when
-// the work completes; every wait has the collective timeout and names the operation.
+// the work completes; every host wait has the collective timeout and names the operation (NCCL's
+// waits are the stream's: see C10dGroup::host_waits).
 #include <fmt/core.h>
 
 #include <utility>
@@ -82,10 +83,14 @@ class C10dComm final : public Comm {
     });
   }
   // A wait with a timeout blocks the host until the collective is done: a lost rank gives an
-  // error naming the operation instead of a hang.
+  // error naming the operation instead of a hang. Without host waits (NCCL) the current stream
+  // waits and the watchdog bounds a hang.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* op) {
     try {
-      work->wait(g_.timeout);
+      if (g_.host_waits)
+        work->wait(g_.timeout);
+      else
+        work->wait();
     } catch (const std::exception& e) {
       throw Error(ExitCode::kFailure,
                   fmt::format("{} {} failed on rank {} of {} (timeout {} s; did a rank die or "

@@ -22,6 +22,11 @@ struct C10dGroup {
   c10d::BarrierOptions barrier;
   std::chrono::milliseconds timeout;  // each collective (comm.train_timeout_seconds)
   int rank, size;
+  // Gloo: the host waits for each collective under `timeout` (its deadline). NCCL: a wait only
+  // makes the current stream wait for the collective, the host goes on; ProcessGroupNCCL's
+  // watchdog (its Options::timeout = `timeout`, TORCH_NCCL_ASYNC_ERROR_HANDLING) ends a hung
+  // collective, and the process with it. A timed wait there would busy-poll the host.
+  bool host_waits = true;
 };
 
 // The Comm over a c10d process group (c10d.cpp).

@@ -30,8 +30,10 @@ std::unique_ptr<Comm> make_nccl_comm(c10::intrusive_ptr<c10d::Store> store, int 
   }
   c10d::BarrierOptions barrier;
   barrier.device_ids = {device.index()};
-  // A wait with a timeout blocks the host (and NCCL's watchdog tears a stuck communicator down).
-  return comm_over({pg, "nccl", device, barrier, timeout, rank, size});
+  // No timed waits: they would busy-poll the host. The watchdog (opts->timeout) ends a collective
+  // that hangs: TORCH_NCCL_ASYNC_ERROR_HANDLING (default 3 in the torch versions we build
+  // against) aborts the communicator and the process, so the launcher fails the job.
+  return comm_over({pg, "nccl", device, barrier, timeout, rank, size, /*host_waits=*/false});
 }
 
 }  // namespace lockstep
