@@ -4,16 +4,10 @@
 #include <ATen/ops/empty_like.h>
 
 #include "data/batch.h"
+#include "splitmix.h"
 
 namespace lockstep {
 namespace {
-
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 // Forward and backward of `ids` as rank `batch_rank`'s batch of `step` (in micro-batches of
 // ids.size() / gradient_accumulation_steps, in order). Faults act where bad data would: on the
@@ -31,10 +25,10 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
     const std::vector<int64_t> mids(ids.begin() + micro * per_micro,
                                     ids.begin() + (micro + 1) * per_micro);
     if (job.config.model.dropout > 0)  // the same masks wherever this batch is recomputed
-      at::manual_seed(mix(static_cast<uint64_t>(job.config.training.seed) ^
-                          mix((static_cast<uint64_t>(step) << 20) ^
-                              (static_cast<uint64_t>(batch_rank) << 8) ^
-                              static_cast<uint64_t>(micro))));
+      at::manual_seed(splitmix64(static_cast<uint64_t>(job.config.training.seed) ^
+                                 splitmix64((static_cast<uint64_t>(step) << 20) ^
+                                            (static_cast<uint64_t>(batch_rank) << 8) ^
+                                            static_cast<uint64_t>(micro))));
     at::Tensor batch = load_batch(*job.sampler, mids, t.seq_len, job.device);  // (B, T + 1)
     at::Tensor x = batch.slice(1, 0, t.seq_len);                               // (B, T)
     at::Tensor y = batch.slice(1, 1, t.seq_len + 1);                           // (B, T)

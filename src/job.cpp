@@ -3,8 +3,7 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
-#include <chrono>
-
+#include "clock.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
 #include "rundir.h"
@@ -185,11 +184,10 @@ void load(Job& j, int64_t step) {
   for (const auto& w : check_resume(meta.at("config"), meta.at("world_size").get<int64_t>(),
                                     j.config, j.ranks.world_size))
     log::warn("{}", w);
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   j.state = j.checkpointer->load(step, j.model->parameters(), j.config_json,
                                  [&](CheckpointReader& r) { j.dp->load(r); });
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double secs = seconds_since(start);
   j.sampler->set_position(j.state.data_position);
   if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
   if (j.config.skip.reset_guards_on_resume && j.detector->consecutive_skips() > 0) {
@@ -248,12 +246,11 @@ std::string save_checkpoint(Job& j) {
   j.state.loss_scale = j.scaler->state();
   const double before = resident_mib();
   const bool peak = reset_peak_resident();
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   const std::string dir =
       j.checkpointer->save(j.state, j.dp->weights(), j.dp->optimizer_part(j.state.optimizer_steps),
                            j.config_json, j.comm.get());
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double secs = seconds_since(start);
   log::info("checkpoint saved: {} ({:.1f} s{})", dir, secs,
             peak ? fmt::format(", peak resident memory +{:.0f} MiB", peak_resident_mib() - before)
                  : "");

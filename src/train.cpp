@@ -13,9 +13,9 @@
 
 #include <fmt/format.h>
 
-#include <chrono>
 #include <csignal>
 
+#include "clock.h"
 #include "compute.h"
 #include "diag/metrics.h"
 #include "diag/verify.h"
@@ -26,12 +26,6 @@
 
 namespace lockstep {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
 
 // What the triage and the probe read of this rank's step.
 TriageInput triage_input(const Job& job, const RankStep& s) {

@@ -15,6 +15,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "decide/detector.h"
+#include "detector_util.h"
 #include "lockstep/error.h"
 #include "lockstep/train.h"
 #include "run_util.h"
@@ -29,38 +30,18 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
+using test::healthy;
+
+// Skipping on, z-scores at 4 (as the reported run had them).
 SkipConfig policy() {
-  SkipConfig c;
-  c.enabled = true;
-  c.window = 16;
-  c.min_history = 8;
+  SkipConfig c = test::enabled_policy();
   c.grad_norm_zscore = 4;
   c.loss_zscore = 4;
-  c.max_consecutive = 0;
-  c.max_fraction = 0;
   return c;
 }
 
-// `w` ranks with own gradient norm `norm` and loss `loss` each (their mean is the same).
-std::vector<RankStats> ranks_at(int w, double norm, double loss) {
-  std::vector<RankStats> v(static_cast<size_t>(w));
-  for (auto& r : v) {
-    r.shard_sumsq = norm * norm / w;
-    r.local_sumsq = norm * norm;
-    r.loss = loss;
-  }
-  return v;
-}
-
-// `n` accepted steps with a little jitter, every rank's own windows filling too.
-void warm_up(SkipDetector& d, int w, int n) {
-  for (int i = 0; i < n; ++i) {
-    const double j = 0.01 * ((i * 7) % 5);
-    Verdict v = d.decide(ranks_at(w, 0.8 + j, 3.0 - j));
-    ASSERT_EQ(v.decision, Decision::kStep) << "warm-up step " << i;
-    d.record(v);
-  }
-}
+// `n` accepted steps of `w` ranks at a grad norm ~0.8 and loss ~3.
+void warm_up(SkipDetector& d, int w, int n) { test::warm_up(d, n, 0.8, 3.0, w); }
 
 }  // namespace
 
@@ -68,7 +49,7 @@ TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
   SkipDetector d(policy());
   warm_up(d, 4, 12);
   const double bound = d.grad_norms().mean() + 4 * d.grad_norms().stddev();
-  Verdict v = d.decide(ranks_at(4, 74.0, 3.0));  // grad norm 74 against ~0.8, on every rank
+  Verdict v = d.decide(healthy(4, 74.0, 3.0));  // grad norm 74 against ~0.8, on every rank
   EXPECT_EQ(v.decision, Decision::kClip);
   EXPECT_EQ(v.scope, "global");
   EXPECT_EQ(v.cause, kCauseInstability);
@@ -83,7 +64,7 @@ TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
 TEST(Scope, ASpikeOnOneRankOfFourIsLocalAndSkippedNamingIt) {
   SkipDetector d(policy());
   warm_up(d, 4, 12);
-  auto ranks = ranks_at(4, 0.82, 2.98);
+  auto ranks = healthy(4, 0.82, 2.98);
   ranks[2].local_sumsq = 74.0 * 74.0;
   ranks[2].shard_sumsq += 74.0 * 74.0 / 16;
   Verdict v = d.decide(ranks);
@@ -101,7 +82,7 @@ TEST(Scope, OnGlobalSpikeSkipOrAbortAsConfigured) {
     c.on_global_spike = policy_value;
     SkipDetector d(c);
     warm_up(d, 2, 10);
-    Verdict v = d.decide(ranks_at(2, 50.0, 3.0));
+    Verdict v = d.decide(healthy(2, 50.0, 3.0));
     EXPECT_EQ(v.decision, expected);
     EXPECT_EQ(v.scope, "global");
     if (expected == Decision::kAbort) {
@@ -112,7 +93,7 @@ TEST(Scope, OnGlobalSpikeSkipOrAbortAsConfigured) {
 
 TEST(Scope, ANonfiniteGradientOnEveryRankIsSkippedNotClipped) {
   SkipDetector d(policy());
-  auto ranks = ranks_at(2, 1.0, 3.0);
+  auto ranks = healthy(2, 1.0, 3.0);
   for (auto& r : ranks) r.local_nonfinite = r.shard_nonfinite = 3;
   Verdict v = d.decide(ranks);
   EXPECT_EQ(v.decision, Decision::kSkip);
@@ -123,7 +104,7 @@ TEST(Scope, ANonfiniteGradientOnEveryRankIsSkippedNotClipped) {
 TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   SkipDetector d(policy());
   warm_up(d, 4, 10);
-  auto ranks = ranks_at(4, 0.8, 3.0);
+  auto ranks = healthy(4, 0.8, 3.0);
   ranks[2].loss = kNaN;  // dropped before the sync: its loss is left out of the mean
   ranks[2].bad_samples = 1;
   Triage salvage{{2}, {"nonfinite_loss"}, {2}, {}, kCauseData, {}};
@@ -134,7 +115,7 @@ TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   EXPECT_TRUE(s.anomalous() && s.updates());
 
   Triage repaired{{1}, {"nonfinite_grad"}, {}, {}, kCauseTransient, {1}};
-  Verdict r = d.decide(ranks_at(4, 0.8, 3.0), LossScaler(TrainingConfig{}), repaired);
+  Verdict r = d.decide(healthy(4, 0.8, 3.0), LossScaler(TrainingConfig{}), repaired);
   EXPECT_EQ(r.decision, Decision::kStep);
   EXPECT_TRUE(r.anomalous()) << "the event is written";
 
@@ -142,7 +123,7 @@ TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   c.on_hardware_fault = OnHardwareFault::kAbort;
   SkipDetector strict(c);
   Triage hardware{{1}, {"nonfinite_grad"}, {1}, {}, kCauseHardware, {1}};
-  Verdict h = strict.decide(ranks_at(4, 0.8, 3.0), LossScaler(TrainingConfig{}), hardware);
+  Verdict h = strict.decide(healthy(4, 0.8, 3.0), LossScaler(TrainingConfig{}), hardware);
   EXPECT_EQ(h.decision, Decision::kAbort);
   EXPECT_EQ(h.guard, "skip.on_hardware_fault = abort");
 }
@@ -152,7 +133,7 @@ TEST(Scope, ResetGuardsClearsTheSkipCountersAndKeepsTheWindows) {
   c.max_consecutive = 2;
   SkipDetector d(c);
   warm_up(d, 2, 9);
-  auto bad = ranks_at(2, 1.0, 3.0);
+  auto bad = healthy(2, 1.0, 3.0);
   bad[0].local_nonfinite = bad[0].shard_nonfinite = 1;
   for (int i = 0; i < 2; ++i) d.record(d.decide(bad));
   EXPECT_EQ(d.decide(bad).decision, Decision::kAbort);

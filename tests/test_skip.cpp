@@ -10,6 +10,7 @@
 #include "lockstep/data.h"
 #include "lockstep/error.h"
 #include "decide/detector.h"
+#include "detector_util.h"
 #include "test_util.h"
 
 using namespace lockstep;
@@ -18,36 +19,9 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-SkipConfig enabled_policy() {
-  SkipConfig c;
-  c.enabled = true;
-  c.window = 16;
-  c.min_history = 8;
-  c.max_consecutive = 0;
-  c.max_fraction = 0;
-  return c;
-}
-
-// `w` healthy ranks whose synced shards add up to a global norm of `norm` and loss `loss`.
-std::vector<RankStats> healthy(int w, double norm, double loss) {
-  std::vector<RankStats> v(static_cast<size_t>(w));
-  for (auto& r : v) {
-    r.shard_sumsq = norm * norm / w;
-    r.local_sumsq = norm * norm;
-    r.loss = loss;
-  }
-  return v;
-}
-
-// Feeds `n` accepted steps with a little deterministic jitter.
-void warm_up(SkipDetector& d, int n, double norm = 1.0, double loss = 3.0) {
-  for (int i = 0; i < n; ++i) {
-    const double j = 0.01 * ((i * 7) % 5);
-    Verdict v = d.decide(healthy(2, norm + j, loss - j));
-    ASSERT_EQ(v.decision, Decision::kStep) << "warm-up step " << i;
-    d.record(v);
-  }
-}
+using test::enabled_policy;
+using test::healthy;
+using test::warm_up;
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 

@@ -12,19 +12,19 @@
 #include <string_view>
 
 #include "lockstep/error.h"
+#include "splitmix.h"
 
 namespace lockstep {
 namespace {
 
-// splitmix64: a tiny, portable generator, so the corpus and the data order are the same
-// with every standard library.
+// A splitmix64 generator, so the corpus and the data order are the same with every standard
+// library.
 struct SplitMix64 {
   uint64_t state;
   uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    return z ^ (z >> 31);
+    const uint64_t z = splitmix64(state);
+    state += 0x9E3779B97F4A7C15ULL;
+    return z;
   }
   uint64_t below(uint64_t n) { return next() % n; }  // bias is irrelevant at these sizes
 };

@@ -1,20 +1,16 @@
 #include "decide/triage.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 
+#include "clock.h"
 #include "decide/exchange.h"
 
 namespace lockstep {
 namespace {
 
 constexpr int kSlot = 4;  // computed (0/1), loss, local sumsq, local nonfinite
-
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
@@ -79,7 +75,7 @@ Triage Triager::before_sync(const SkipDetector& detector, const TriageInput& in,
                             const Recompute& recompute, StepCosts& costs) const {
   Triage t;
   if (!active_) return t;
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   const std::vector<RankStats> table = exchange_stats(in.mine, comm_);
   costs.triage += seconds_since(start);
   const LocalFindings f = detector.local_findings(table, in.loss_scale);
@@ -94,7 +90,7 @@ Triage Triager::before_sync(const SkipDetector& detector, const TriageInput& in,
     for (size_t k = 0; k < t.culprits.size(); ++k) {
       const int c = t.culprits[k];
       const int p = cfg_.replay == Replay::kPeer ? peer_of(c, t.culprits, world_) : -1;
-      const auto replay_start = std::chrono::steady_clock::now();
+      const auto replay_start = Clock::now();
       if (rank_ == c) put(mine, 2 * k, recompute(c, samples.ids[c], /*keep=*/true));
       if (rank_ == p) put(mine, 2 * k + 1, recompute(c, samples.ids[c], /*keep=*/false));
       costs.replay += seconds_since(replay_start);
@@ -135,7 +131,7 @@ void Triager::probe(int64_t step, const std::vector<RankStats>& table, const Tri
   const int target = (prober + 1) % world_;
   const SampleTable samples = exchange_samples(in.ids, in.sample_losses, comm_);
   std::vector<double> mine(kSlot, 0.0);
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   if (rank_ == prober) put(mine, 0, recompute(target, samples.ids[target], /*keep=*/false));
   costs.replay += seconds_since(start);
   const auto all = all_gather_values(comm_, mine);

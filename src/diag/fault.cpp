@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "lockstep/error.h"
+#include "splitmix.h"
 #include "text.h"
 
 namespace lockstep {
@@ -19,13 +20,6 @@ constexpr FaultKind kKinds[] = {
     FaultKind::kOverflow,      FaultKind::kTransientNan,  FaultKind::kTransientFlip,
     FaultKind::kStickyNan,     FaultKind::kStickyFlip,    FaultKind::kSilentFlip,
     FaultKind::kExcluded};
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 FaultKind parse_kind(const std::string& text, const std::string& key) {
   std::vector<std::string> names;

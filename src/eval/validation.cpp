@@ -4,9 +4,9 @@
 #include <fmt/core.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 
+#include "clock.h"
 #include "data/batch.h"
 
 namespace lockstep {
@@ -37,7 +37,7 @@ std::string Validator::describe() const {
 }
 
 ValidationResult Validator::run(const Model& model, Comm* comm) const {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Clock::now();
   const at::NoGradGuard no_grad;
   const int64_t T = config_.training.seq_len, W = ranks_.world_size;
   double sum = 0, count = 0;
@@ -60,7 +60,7 @@ ValidationResult Validator::run(const Model& model, Comm* comm) const {
   out.samples = static_cast<int64_t>(n);
   out.loss = total / n;
   out.perplexity = std::exp(out.loss);
-  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out.seconds = seconds_since(start);
   return out;
 }
 

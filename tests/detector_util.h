@@ -1,0 +1,46 @@
+// Helpers of the tests that drive the SkipDetector directly with hand-made per-rank stats.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "decide/detector.h"
+
+namespace lockstep::test {
+
+// Skipping on, a short window, no guards.
+inline SkipConfig enabled_policy() {
+  SkipConfig c;
+  c.enabled = true;
+  c.window = 16;
+  c.min_history = 8;
+  c.max_consecutive = 0;
+  c.max_fraction = 0;
+  return c;
+}
+
+// `w` healthy ranks, each with own gradient norm `norm` and loss `loss`, whose synced shards add
+// up to a global norm of `norm` and loss `loss`.
+inline std::vector<RankStats> healthy(int w, double norm, double loss) {
+  std::vector<RankStats> v(static_cast<size_t>(w));
+  for (auto& r : v) {
+    r.shard_sumsq = norm * norm / w;
+    r.local_sumsq = norm * norm;
+    r.loss = loss;
+  }
+  return v;
+}
+
+// Feeds `n` accepted steps of `world` ranks with a little deterministic jitter (every rank's own
+// windows fill too).
+inline void warm_up(SkipDetector& d, int n, double norm = 1.0, double loss = 3.0, int world = 2) {
+  for (int i = 0; i < n; ++i) {
+    const double j = 0.01 * ((i * 7) % 5);
+    Verdict v = d.decide(healthy(world, norm + j, loss - j));
+    ASSERT_EQ(v.decision, Decision::kStep) << "warm-up step " << i;
+    d.record(v);
+  }
+}
+
+}  // namespace lockstep::test
