@@ -37,6 +37,7 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
     at::Tensor loss = per_sample.mean();
     at::Tensor objective =
         job.faults->on_objective(loss.div(static_cast<double>(micro_batches)), micro);
+    if (micro == micro_batches - 1 && index == 0) job.dp->begin_last_backward();  // overlap
     (scale == 1.0 ? objective : objective.mul(scale)).backward();
     at::Tensor host = per_sample.detach().to(at::kDouble).cpu();
     out.sample_losses.insert(out.sample_losses.end(), host.data_ptr<double>(),

@@ -363,8 +363,14 @@ void parallelism_fields(std::vector<Field>& t) {
                            "all-gathered"));
   t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0.001, false,
                           1 << 16,
-                          "sharded: MiB moved per reduce-scatter / all-gather call (all ranks' "
-                          "blocks together); bounds the backends' staging buffers"));
+                          "MiB of gradient per collective call: overlap's buckets (ddp); "
+                          "sharded: per reduce-scatter / all-gather call, all ranks' blocks "
+                          "together (bounds the backends' staging buffers)"));
+  t.push_back(bool_field("parallelism", "overlap", &C::parallelism, &P::overlap,
+                         "start each bucket's gradient collective during the last micro-batch's "
+                         "backward, as soon as its gradients are final; needs skip.scope = "
+                         "\"step\", skip.replay = \"off\", diagnostics.replay_every = 0 and "
+                         "no hardware fault kinds (they act before the sync)"));
   t.push_back(float_field("comm", "init_timeout_seconds", &C::comm, &M::init_timeout_seconds, 0,
                           true, 86400, "time allowed for all ranks to meet at start"));
   t.push_back(float_field("comm", "train_timeout_seconds", &C::comm, &M::train_timeout_seconds,
@@ -746,6 +752,31 @@ void validate_model(const ModelConfig& m) {
                                   m.dim / m.n_heads));
 }
 
+// parallelism.overlap sends each bucket while backward runs: nothing may act on this rank's
+// gradient between backward and the sync (a salvage's zeroing, a replay's recomputation, a
+// hardware fault injected after backward).
+void validate_overlap(const Config& c) {
+  if (!c.parallelism.overlap) return;
+  std::string why;
+  if (c.skip.scope == SkipScope::kRank) why = "skip.scope = \"rank\" zeroes a culprit's gradient";
+  if (c.skip.replay != Replay::kOff) why = "skip.replay recomputes a culprit's gradient";
+  if (c.diagnostics.replay_every > 0) why = "diagnostics.replay_every recomputes a batch";
+  std::vector<FaultKind> kinds;
+  for (const auto& f : parse_fault_inject(c.fault.inject)) kinds.push_back(f.kind);
+  if (c.fault.random_p > 0) {
+    const auto random = parse_fault_kinds(c.fault.random_kinds, "fault.random_kinds");
+    kinds.insert(kinds.end(), random.begin(), random.end());
+  }
+  for (FaultKind k : kinds)
+    if (is_hardware_fault(k))
+      why = fmt::format("fault kind {} changes the gradient after backward", fault_name(k));
+  if (!why.empty())
+    throw ConfigError(fmt::format(
+        "invalid value for 'parallelism.overlap': true, but {} before the sync, which overlap "
+        "has already sent; set parallelism.overlap = false",
+        why));
+}
+
 void validate_cross(const Config& c) {
   loss_scale_setting(c.training);
   if (c.model.dim % c.model.n_heads != 0)
@@ -777,6 +808,7 @@ void validate_cross(const Config& c) {
         "expected >= 256",
         c.model.vocab_size));
   validate_fault_config(c.fault);
+  validate_overlap(c);
   const bool replays = c.skip.replay != Replay::kOff || c.diagnostics.replay_every > 0;
   if ((replays || c.skip.scope == SkipScope::kRank) && !c.diagnostics.local_check)
     throw ConfigError(fmt::format(

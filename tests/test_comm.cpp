@@ -10,32 +10,13 @@
 #include <thread>
 
 #include "comm/comm.h"
+#include "comm_util.h"
 #include "lockstep/error.h"
 #include "test_util.h"
 
 using namespace lockstep;
 
-namespace {
-
-// Runs fn(comm) on `size` ranks, one thread each; failures are collected per rank.
-void on_ranks(int size, const std::function<void(Comm&)>& fn, CommOptions o = {}) {
-  test::TempDir dir;
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(size);
-  for (int r = 0; r < size; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto comm = make_comm_file_store(dir / "store", r, size, o);
-        fn(*comm);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < size; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
-}
-
-}  // namespace
+using test::on_ranks;
 
 TEST(CommGloo, CollectivesGiveExactValues) {
   for (int size : {1, 2, 3}) {

@@ -170,7 +170,10 @@ struct DataConfig {
 struct ParallelismConfig {
   Backend backend = Backend::kAuto;
   ParallelMode mode = ParallelMode::kDdp;
-  double bucket_mb = 16;  // sharded: MiB per reduce-scatter / all-gather call
+  double bucket_mb = 16;  // MiB of gradient per collective call (and sharded all-gather)
+  // Start each bucket's gradient collective during the last micro-batch's backward, as soon
+  // as autograd has finished its gradients (hooks on the gradient accumulators).
+  bool overlap = false;
 };
 
 struct CommConfig {

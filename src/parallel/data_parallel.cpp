@@ -18,8 +18,10 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
 
   const auto options = params.at(0).tensor.options().requires_grad(false);
   flat_grad_ = at::zeros({world_ * block_}, options.dtype(param_dtype_));
-  reduce_ = reduce_dtype_ == param_dtype_ ? flat_grad_
-                                          : at::zeros({world_ * block_}, options.dtype(reduce_dtype_));
+  // ddp overlapped reduces in place in a buffer of its own: the local gradient stays for [A]
+  const bool own = reduce_dtype_ != param_dtype_ ||
+                   (o.overlap && world_ > 1 && o.mode == ParallelMode::kDdp);
+  reduce_ = own ? at::zeros({world_ * block_}, options.dtype(reduce_dtype_)) : flat_grad_;
   grads_ = views_of(flat_grad_);
   synced_ = views_of(reduce_);
   // The .grad of a P-dtype parameter must be P too: parameters still in fp32 at this point get
@@ -64,6 +66,24 @@ at::Tensor DataParallel::move_parameters(int64_t size, const at::Tensor& master,
 
 void DataParallel::stage_for_reduction() {
   if (!reduce_.is_same(flat_grad_)) reduce_.copy_(flat_grad_);
+}
+
+std::string DataParallel::overlap_note() const {
+  if (!buckets_ || !buckets_->overlapped()) return "";
+  const int n = buckets_->size();
+  return ", gradient sync overlapped with backward (" + std::to_string(n) +
+         (n == 1 ? " bucket)" : " buckets)");
+}
+
+std::vector<int> DataParallel::params_in(int64_t lo, int64_t hi) const {
+  std::vector<int> out;
+  int64_t off = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t n = params_[i].tensor.numel();
+    if (off < hi && lo < off + n) out.push_back(static_cast<int>(i));
+    off += n;
+  }
+  return out;
 }
 
 void DataParallel::replicate_parameters() {

@@ -18,6 +18,11 @@
 //           update the blocks are all-gathered into every rank's parameters, which are views
 //           into one flat parameter buffer. Optimizer memory is 1/W of ddp's.
 // Either way, after every step the parameters are bitwise identical on all ranks.
+//
+// Both sync in buckets (overlap.h). Overlap (parallelism.overlap): the collective of a bucket
+// starts during the last micro-batch's backward, as soon as autograd has finished its
+// gradients; the sync then only waits. The buckets are the same either way, and so are the sums. ddp then reduces into a buffer of its own (one more gradient-sized buffer, as
+// PyTorch DDP's buckets), so the local gradient stays readable for check [A].
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,15 +36,18 @@
 #include "comm/comm.h"
 #include "lockstep/config.h"
 #include "optim/adamw.h"
+#include "parallel/overlap.h"
 #include "tensors.h"
 
 namespace lockstep {
 
 struct DataParallelOptions {
   ParallelMode mode = ParallelMode::kDdp;
-  // Sharded: bytes moved per collective call (all ranks' blocks together), so the backends'
-  // staging buffers (Gloo flattens its list arguments) stay that small.
+  // Bytes of gradient per collective call. ddp with overlap: whole parameters, from the last
+  // back. Sharded: all ranks' blocks together, so the backends' staging buffers (Gloo flattens
+  // its list arguments) stay that small.
   int64_t bucket_bytes = 16 << 20;
+  bool overlap = false;  // start buckets during the last backward (more than one rank)
   AdamWOptions adamw;
   at::ScalarType param_dtype = at::kFloat;   // P: forward, backward, the gradient buffer
   at::ScalarType reduce_dtype = at::kFloat;  // R: the reduction and check [B]
@@ -64,6 +72,13 @@ class DataParallel {
   // whose gradient counts (a salvage: the dropped ones zeroed theirs); every rank holds as many
   // tokens, so the mean over their tokens is the sum divided by it.
   virtual void sync_gradients(int contributors) = 0;
+
+  // Overlap: the next backward is the last before the sync (its hooks start the buckets).
+  void begin_last_backward() {
+    if (buckets_ && buckets_->overlapped()) buckets_->arm();
+  }
+  // The gradient sync's buckets (null with one rank).
+  const GradientBuckets* buckets() const { return buckets_.get(); }
 
   // The update at learning rate `lr` under `control` (a skip changes nothing anywhere).
   virtual void apply(double lr, const UpdateControl& control) = 0;
@@ -108,6 +123,10 @@ class DataParallel {
   at::Tensor move_parameters(int64_t size, const at::Tensor& master, int64_t lo);
   // Casts the local gradients into the reduce buffer (when R differs from P).
   void stage_for_reduction();
+  // ", gradient sync overlapped with backward (N buckets)" or "" (for describe()).
+  std::string overlap_note() const;
+  // The indices of the parameters with elements in the flat range [lo, hi).
+  std::vector<int> params_in(int64_t lo, int64_t hi) const;
 
   Comm* comm_;  // null: one rank
   int world_ = 1, rank_ = 0;
@@ -117,6 +136,7 @@ class DataParallel {
   at::Tensor flat_grad_;  // P, W x block (padded): every .grad is a view
   at::Tensor reduce_;     // R, W x block: what the collective reduces; flat_grad_ when R = P
   std::vector<NamedTensor> params_, grads_, synced_;
+  std::unique_ptr<GradientBuckets> buckets_;  // more than one rank
 };
 
 // The implementation of `options.mode`. `comm` may be null (one rank).

@@ -12,9 +12,11 @@ namespace {
 class Ddp final : public DataParallel {
  public:
   Ddp(const std::vector<NamedTensor>& params, Comm* comm, const DataParallelOptions& o)
-      : DataParallel(params, comm, o), optimizer_(AdamW::over(build_optimizer_params(), o.adamw)) {}
+      : DataParallel(params, comm, o), optimizer_(AdamW::over(build_optimizer_params(), o.adamw)) {
+    if (world_ > 1) build_buckets(o.bucket_bytes, o.overlap);
+  }
 
-  std::string describe() const override { return "ddp data parallel"; }
+  std::string describe() const override { return "ddp data parallel" + overlap_note(); }
   bool fused_optimizer() const override { return optimizer_.fused(); }
 
   void replicate_parameters() override {
@@ -24,10 +26,11 @@ class Ddp final : public DataParallel {
   }
 
   void sync_gradients(int contributors) override {
-    stage_for_reduction();
-    if (world_ > 1) {
-      comm_->all_reduce_sum(reduce_);
+    if (buckets_) {
+      buckets_->finish();  // the buckets backward has not started, then every wait
       reduce_.div_(static_cast<double>(contributors));
+    } else {
+      stage_for_reduction();
     }
     if (!opt_grad_.is_same(reduce_)) opt_grad_.copy_(reduce_);
   }
@@ -56,6 +59,30 @@ class Ddp final : public DataParallel {
   }
 
  private:
+  // Whole parameters from the last one back, about `bytes` of R per bucket; a bucket is cast or
+  // copied from the local gradient into the reduce buffer (when that is another buffer) and
+  // all-reduced there in place.
+  void build_buckets(int64_t bytes, bool overlap) {
+    const int64_t per = std::max<int64_t>(1, bytes / static_cast<int64_t>(c10::elementSize(reduce_dtype_)));
+    std::vector<std::vector<int>> needs;
+    int64_t hi = total_;
+    for (int64_t lo = total_; lo > 0;) {
+      lo -= params_[params_in(lo - 1, lo).front()].tensor.numel();  // the parameter ending at lo
+      if (hi - lo >= per || lo == 0) {
+        ranges_.emplace_back(lo, hi - lo);
+        needs.push_back(params_in(lo, hi));
+        hi = lo;
+      }
+    }
+    auto start = [this](int b) {
+      at::Tensor dst = reduce_.narrow(0, ranges_[b].first, ranges_[b].second);
+      if (!reduce_.is_same(flat_grad_))
+        dst.copy_(flat_grad_.narrow(0, ranges_[b].first, ranges_[b].second));
+      return comm_->all_reduce_sum_async(dst);
+    };
+    buckets_ = std::make_unique<GradientBuckets>(params_, std::move(needs), start, overlap);
+  }
+
   // What AdamW updates: the parameters themselves in fp32; else fp32 masters of all of them.
   // Its gradients are fp32: the reduce buffer when R is fp32, else the gradient buffer (P =
   // fp32) or a buffer of their own, refreshed from the reduce buffer after every sync.
@@ -83,6 +110,7 @@ class Ddp final : public DataParallel {
   at::Tensor master_, flat_param_;  // mixed precision only: fp32 masters, P-dtype parameters
   at::Tensor opt_grad_;             // fp32 gradients the optimizer reads
   std::vector<NamedTensor> masters_;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // each bucket's flat offset and size
   AdamW optimizer_;
 };
 

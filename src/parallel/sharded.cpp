@@ -1,12 +1,14 @@
 // sharded (ZeRO-2): the flat gradient buffer is reduce-scattered, rank r keeps the fp32 master
 // weights and AdamW moments of block r, updates them, and the blocks are all-gathered into
 // every rank's parameters (views into one flat parameter buffer). Collectives run in buckets,
-// two in flight.
+// two in flight; with overlap the reduce-scatters start during backward, all in flight.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 #include <fmt/core.h>
+
+#include <algorithm>
 
 #include "parallel/data_parallel.h"
 
@@ -37,11 +39,13 @@ class Sharded final : public DataParallel {
   Sharded(const std::vector<NamedTensor>& params, Comm* comm, const DataParallelOptions& o)
       : DataParallel(params, comm, o),
         bucket_(std::max<int64_t>(1, o.bucket_bytes / 4 / world_)),
-        optimizer_(AdamW::over(build_block(), o.adamw)) {}
+        optimizer_(AdamW::over(build_block(), o.adamw)) {
+    if (o.overlap && world_ > 1) build_buckets();  // without: in_buckets, two in flight
+  }
 
   std::string describe() const override {
-    return fmt::format("sharded data parallel (this rank owns {} of {} parameters)",
-                       shard_length_, total_);
+    return fmt::format("sharded data parallel (this rank owns {} of {} parameters){}",
+                       shard_length_, total_, overlap_note());
   }
   bool fused_optimizer() const override { return optimizer_.fused(); }
 
@@ -56,12 +60,13 @@ class Sharded final : public DataParallel {
   }
 
   void sync_gradients(int contributors) override {
-    stage_for_reduction();
+    if (buckets_) {
+      buckets_->finish();  // the buckets backward has not started yet, then every wait
+    } else {
+      stage_for_reduction();
+      if (world_ > 1) in_buckets([&](int64_t from, int64_t n) { return reduce_scatter(from, n); });
+    }
     if (world_ > 1) {
-      in_buckets([&](int64_t from, int64_t n) {
-        at::Tensor out = grad_block_.narrow(0, from, n);
-        return comm_->reduce_scatter_sum_async(rank_blocks(reduce_, from, n), out);
-      });
       reduce_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(contributors));
     }
     if (opt_grad_block_.defined()) opt_grad_block_.copy_(reduce_.narrow(0, rank_ * block_, block_));
@@ -99,6 +104,36 @@ class Sharded final : public DataParallel {
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
 
  private:
+  // Elements [from, from + n) of every rank's block, reduce-scattered into grad_block_.
+  std::unique_ptr<CommWork> reduce_scatter(int64_t from, int64_t n) {
+    at::Tensor out = grad_block_.narrow(0, from, n);
+    return comm_->reduce_scatter_sum_async(rank_blocks(reduce_, from, n), out);
+  }
+
+  // Overlap: the same calls as without it (so the same sums, bit for bit), started from the
+  // end of the blocks back: a call is ready once the parameters of all its W pieces are.
+  void build_buckets() {
+    std::vector<std::vector<int>> needs;
+    for (int64_t from = (block_ - 1) / bucket_ * bucket_; from >= 0; from -= bucket_) {
+      const int64_t n = std::min(bucket_, block_ - from);
+      std::vector<int> need;
+      for (int r = 0; r < world_; ++r)
+        for (int p : params_in(r * block_ + from, r * block_ + from + n)) need.push_back(p);
+      std::sort(need.begin(), need.end());
+      need.erase(std::unique(need.begin(), need.end()), need.end());
+      slices_.emplace_back(from, n);
+      needs.push_back(std::move(need));
+    }
+    auto start = [this](int b) {
+      const auto [from, n] = slices_[b];
+      if (!reduce_.is_same(flat_grad_))
+        for (int r = 0; r < world_; ++r)
+          reduce_.narrow(0, r * block_ + from, n).copy_(flat_grad_.narrow(0, r * block_ + from, n));
+      return reduce_scatter(from, n);
+    };
+    buckets_ = std::make_unique<GradientBuckets>(params_, std::move(needs), start, true);
+  }
+
   // This rank's block: the parameters move into one flat P-dtype buffer, the fp32 master block
   // takes their fp32 values, and the optimizer gets the pieces of the master block, one per
   // parameter it intersects (named like it, with its decay), gradients and moments as views
@@ -178,6 +213,7 @@ class Sharded final : public DataParallel {
   }
 
   int64_t bucket_;  // elements per rank per call
+  std::vector<std::pair<int64_t, int64_t>> slices_;  // overlap: each bucket's [from, from + n)
   at::Tensor flat_param_;      // P: every rank's parameters
   at::Tensor master_;          // fp32: this rank's block of the weights, what AdamW updates
   at::Tensor param_block_;     // P != fp32: the master block cast for the all-gather

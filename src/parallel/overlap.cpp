@@ -1,0 +1,93 @@
+#include "parallel/overlap.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <stdexcept>
+
+namespace lockstep {
+
+// Runs after autograd's AccumulateGrad of one parameter: its .grad holds this backward's share.
+struct GradientBuckets::Hook final : torch::autograd::FunctionPostHook {
+  Hook(GradientBuckets* owner, int param) : owner_(owner), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    owner_->ready(param_);
+    return outputs;
+  }
+
+ private:
+  GradientBuckets* owner_;
+  int param_;
+};
+
+GradientBuckets::GradientBuckets(const std::vector<NamedTensor>& params,
+                                 std::vector<std::vector<int>> needs, Start start, bool overlap)
+    : needs_(std::move(needs)), buckets_of_(params.size()), start_(std::move(start)) {
+  for (size_t b = 0; b < needs_.size(); ++b)
+    for (int p : needs_[b]) {
+      if (p < 0 || p >= static_cast<int>(params.size()))
+        throw std::out_of_range("GradientBuckets: a bucket names no parameter");
+      buckets_of_[p].push_back(static_cast<int>(b));
+    }
+  pending_.resize(needs_.size());
+  for (size_t b = 0; b < needs_.size(); ++b) pending_[b] = static_cast<int>(needs_[b].size());
+  for (size_t i = 0; i < params.size() && overlap; ++i) {
+    if (buckets_of_[i].empty()) continue;
+    // Held here: the parameter itself only keeps a weak reference to its accumulator.
+    auto acc = torch::autograd::impl::grad_accumulator(params[i].tensor);
+    if (!acc)
+      throw std::invalid_argument("GradientBuckets: " + params[i].name +
+                                  " has no gradient accumulator (not a leaf requiring grad)");
+    const uintptr_t key = acc->add_post_hook(std::make_unique<Hook>(this, static_cast<int>(i)));
+    unhook_.emplace_back([acc, key] { acc->del_post_hook(key); });
+  }
+}
+
+GradientBuckets::~GradientBuckets() {
+  for (auto& w : works_) {
+    try {
+      w->wait();
+    } catch (const std::exception&) {  // already failing: the error was raised once
+    }
+  }
+  for (auto& u : unhook_) u();
+}
+
+void GradientBuckets::arm() {
+  const std::lock_guard<std::mutex> lock(mu_);
+  armed_ = true;
+  started_in_backward_ = 0;
+  start_ready();  // buckets with no parameter at all
+}
+
+void GradientBuckets::ready(int param) {
+  const std::lock_guard<std::mutex> lock(mu_);
+  if (!armed_) return;
+  for (int b : buckets_of_[param]) --pending_[b];
+  start_ready();
+}
+
+void GradientBuckets::start_ready() {
+  while (next_ < size() && pending_[next_] <= 0) {
+    works_.push_back(start_(next_++));
+    ++started_in_backward_;
+  }
+}
+
+void GradientBuckets::finish() {
+  std::vector<std::unique_ptr<CommWork>> works;
+  {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (!armed_) started_in_backward_ = 0;
+    while (next_ < size()) works_.push_back(start_(next_++));
+    works.swap(works_);
+    armed_ = false;
+    next_ = 0;
+    for (size_t b = 0; b < needs_.size(); ++b) pending_[b] = static_cast<int>(needs_[b].size());
+  }
+  for (auto& w : works) w->wait();
+}
+
+}  // namespace lockstep
