@@ -1,6 +1,7 @@
 #include "compute.h"
 
 #include <ATen/Context.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 
 #include "data/batch.h"
@@ -19,8 +20,7 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   const auto per_micro = static_cast<int64_t>(ids.size()) / micro_batches;
   const double scale = job.scaler->scale();
   job.faults->begin_computation(batch_rank, index);
-  double loss_sum = 0;
-  out.sample_losses.clear();
+  std::vector<at::Tensor> losses, samples;  // on the device until the one read below
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     const std::vector<int64_t> mids(ids.begin() + micro * per_micro,
                                     ids.begin() + (micro + 1) * per_micro);
@@ -39,12 +39,18 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
         job.faults->on_objective(loss.div(static_cast<double>(micro_batches)), micro);
     if (micro == micro_batches - 1 && index == 0) job.dp->begin_last_backward();  // overlap
     (scale == 1.0 ? objective : objective.mul(scale)).backward();
-    at::Tensor host = per_sample.detach().to(at::kDouble).cpu();
-    out.sample_losses.insert(out.sample_losses.end(), host.data_ptr<double>(),
-                             host.data_ptr<double>() + host.numel());
-    loss_sum += loss.item<double>();
+    losses.push_back(loss.detach().reshape({1}));
+    samples.push_back(per_sample.detach());
   }
   job.faults->on_gradients(job.dp->grads());
+  // One read of the step's losses (on a GPU one host sync, not two per micro-batch): each
+  // micro-batch's mean, then every sample's, in fp64 as before.
+  samples.insert(samples.begin(), losses.begin(), losses.end());
+  const at::Tensor host = at::cat(samples).to(at::kDouble).cpu();
+  const double* v = host.data_ptr<double>();
+  double loss_sum = 0;
+  for (int64_t micro = 0; micro < micro_batches; ++micro) loss_sum += v[micro];
+  out.sample_losses.assign(v + micro_batches, v + host.numel());
   out.loss = loss_sum / static_cast<double>(micro_batches);
   out.sample_ids = ids;
 }

@@ -363,9 +363,9 @@ void parallelism_fields(std::vector<Field>& t) {
                            "all-gathered"));
   t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0.001, false,
                           1 << 16,
-                          "MiB of gradient per collective call: overlap's buckets (ddp); "
-                          "sharded: per reduce-scatter / all-gather call, all ranks' blocks "
-                          "together (bounds the backends' staging buffers)"));
+                          "MiB of gradient per collective call: ddp all-reduces buckets of "
+                          "whole parameters; sharded moves this much per reduce-scatter / "
+                          "all-gather call, all ranks' blocks together"));
   t.push_back(bool_field("parallelism", "overlap", &C::parallelism, &P::overlap,
                          "start each bucket's gradient collective during the last micro-batch's "
                          "backward, as soon as its gradients are final; needs skip.scope = "

@@ -172,7 +172,8 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
 
 }  // namespace
 
-// A rank stopped with SIGSTOP (alive, silent) under each launcher, in ddp and sharded mode:
+// A rank stopped with SIGSTOP (alive, silent) under each launcher, in ddp and sharded mode
+// and with the gradient sync overlapped:
 // every other rank fails its collective after comm.train_timeout_seconds with the one-line
 // error and has exited within the timeout + 10 s; then the launcher ends the stopped one (it
 // cannot act on SIGTERM while stopped): lockstep-run sends SIGCONT with its SIGTERM, mpirun
@@ -180,7 +181,8 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
 // Nothing of the job is left running.
 void expect_stall_fails_the_job(Launcher l, double launcher_grace = 0) {
   constexpr int kStallTimeout = 5;
-  for (const char* mode : {"ddp", "sharded"}) {
+  // The third: the buckets start during backward, so the stall may leave them in flight.
+  for (const char* mode : {"ddp", "sharded", "ddp --parallelism.overlap true"}) {
     SCOPED_TRACE(mode);
     test::TempDir dir;
     // A checkpoint every step: the stall may fall into a save, whose collectives wait

@@ -45,13 +45,9 @@ GradientBuckets::GradientBuckets(const std::vector<NamedTensor>& params,
   }
 }
 
+// Works still in flight here belong to a step that failed: the job is ending, and waiting for
+// each (a lost rank: a timeout each) would only delay the exit.
 GradientBuckets::~GradientBuckets() {
-  for (auto& w : works_) {
-    try {
-      w->wait();
-    } catch (const std::exception&) {  // already failing: the error was raised once
-    }
-  }
   for (auto& u : unhook_) u();
 }
 
