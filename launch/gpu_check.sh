@@ -65,7 +65,7 @@ log "gpu tests: $(grep -E 'tests passed|tests failed' "$out/gpu_tests.log")"
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.*:NcclComm.*' \
+      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.*:DecisionCoreCuda.*:NcclComm.*' \
       >"$out/sanitizer_$tool.log" 2>&1 || status=1
     log "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
   done

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <random>
 #include <vector>
 
 #include "decide/detector.h"
@@ -41,6 +43,27 @@ inline void warm_up(SkipDetector& d, int n, double norm = 1.0, double loss = 3.0
     ASSERT_EQ(v.decision, Decision::kStep) << "warm-up step " << i;
     d.record(v);
   }
+}
+
+// One step's table, the gradient carrying loss scale `scale`: every rank healthy with jitter,
+// and now and then a fault on one rank: a nonfinite gradient element, a nonfinite loss, a
+// gradient spike or a loss spike.
+inline std::vector<RankStats> random_step(std::mt19937_64& rng, int world, double scale) {
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<RankStats> t(static_cast<size_t>(world));
+  for (auto& r : t) {
+    const double norm = (1.0 + 0.2 * u(rng)) * scale;
+    r.shard_sumsq = norm * norm / world;
+    r.local_sumsq = norm * norm;
+    r.loss = 3.0 + 0.3 * u(rng);
+  }
+  const double p = u(rng);
+  RankStats& bad = t[static_cast<size_t>(rng() % world)];
+  if (p < 0.03) bad.shard_nonfinite = 1 + static_cast<double>(rng() % 3);
+  else if (p < 0.05) bad.loss = std::numeric_limits<double>::quiet_NaN();
+  else if (p < 0.09) bad.shard_sumsq *= 2500;
+  else if (p < 0.12) bad.loss *= 4;
+  return t;
 }
 
 }  // namespace lockstep::test

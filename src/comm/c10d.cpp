@@ -56,6 +56,7 @@ class C10dComm final : public Comm {
     return finish(g_.pg->reduce_scatter(o, i), "reduce_scatter", {{sout, out}});
   }
   void barrier() override { wait(g_.pg->barrier(g_.barrier), "barrier"); }
+  c10::Device device() const override { return g_.stage; }
   double timeout() const override { return g_.timeout.count() / 1000.0; }
   void set_timeout(double seconds) override {
     g_.timeout = to_ms(seconds);  // what every wait here allows

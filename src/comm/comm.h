@@ -68,6 +68,9 @@ class Comm {
   virtual void broadcast(at::Tensor& t, int root) = 0;  // in place
   virtual void barrier() = 0;
 
+  // Where this backend wants tensors (others are staged there and back): the GPU for NCCL.
+  virtual c10::Device device() const { return c10::Device(c10::kCPU); }
+
   // The time each collective may take (seconds); a save or load raises it for its own.
   virtual double timeout() const = 0;
   virtual void set_timeout(double seconds) = 0;
@@ -116,7 +119,8 @@ class TimeoutScope {
 };
 
 // Every rank's `mine` (equally long on all ranks), in rank order: one all-gather of doubles
-// (exact for integers below 2^53). A null comm is one rank alone.
+// (exact for integers below 2^53) into one [W, n] tensor on the comm's device, so NCCL costs
+// one copy up and one back, not one per rank. A null comm is one rank alone.
 std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine);
 
 // NCCL is built in (LOCKSTEP_CUDA builds).

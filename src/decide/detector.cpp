@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+
+#include "kernels/decision.h"
 
 namespace lockstep {
 
@@ -24,26 +27,17 @@ void Window::push(double v) {
   while (static_cast<int64_t>(values_.size()) > capacity_) values_.pop_front();
 }
 
+// The window statistics are the shared decision core's (kernels/decision.h), the device's too.
 double Window::mean() const {
-  if (values_.empty()) return std::numeric_limits<double>::quiet_NaN();
-  double s = 0;
-  for (double v : values_) s += v;
-  return s / static_cast<double>(values_.size());
+  return kernels::window_mean([this](int64_t i) { return values_[i]; }, size());
 }
 
 double Window::stddev() const {
-  if (values_.empty()) return std::numeric_limits<double>::quiet_NaN();
-  const double m = mean();
-  double s = 0;
-  for (double v : values_) s += (v - m) * (v - m);
-  return std::sqrt(s / static_cast<double>(values_.size()));
+  return kernels::window_stddev([this](int64_t i) { return values_[i]; }, size());
 }
 
 double Window::zscore(double v) const {
-  const double m = mean();
-  const double sd = std::max(stddev(), 1e-12 * std::abs(m));
-  if (sd == 0) return v > m ? std::numeric_limits<double>::infinity() : 0.0;
-  return (v - m) / sd;
+  return kernels::window_zscore([this](int64_t i) { return values_[i]; }, size(), v);
 }
 
 void Window::assign(const std::vector<double>& values) {
@@ -60,35 +54,42 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// The global numbers: every rank adds the same numbers in the same order (rank order). The
-// loss is the mean over the ranks that contributed (not `dropped`).
+// The global numbers, reduced in rank order by the shared core (kernels/decision.h). The loss
+// is the mean over the ranks that contributed (not `dropped`).
 Verdict reduce_in_rank_order(const std::vector<RankStats>& ranks, const std::vector<int>& dropped,
                              bool& loss_nonfinite) {
+  const auto stat = [&ranks](int i, int f) {
+    double row[kernels::kStatsDoubles];
+    static_assert(sizeof row == sizeof(RankStats), "RankStats is the core's row");
+    std::memcpy(row, &ranks[i], sizeof row);
+    return row[f];
+  };
+  const auto out = [&dropped](int i) {
+    return std::find(dropped.begin(), dropped.end(), i) != dropped.end();
+  };
+  const kernels::Global g =
+      kernels::reduce_in_rank_order(stat, static_cast<int>(ranks.size()), out);
   Verdict v;
-  double sumsq = 0, loss_sum = 0;
-  int contributing = 0;
-  loss_nonfinite = false;
-  for (int i = 0; i < static_cast<int>(ranks.size()); ++i) {
-    const RankStats& r = ranks[i];
-    v.nonfinite += r.shard_nonfinite;
-    sumsq += r.shard_sumsq;
-    v.overflow_runs += r.overflow_runs;
-    v.stop = v.stop || r.stop_requested != 0;
-    if (std::find(dropped.begin(), dropped.end(), i) != dropped.end()) continue;
-    loss_sum += r.loss;
-    ++contributing;
-    loss_nonfinite = loss_nonfinite || !std::isfinite(r.loss);
-  }
-  v.grad_norm = norm_of(v.nonfinite, sumsq);  // never report a partial norm as the norm
-  v.loss = contributing == 0 ? kNaN : loss_sum / static_cast<double>(contributing);
+  v.nonfinite = g.nonfinite;
+  v.overflow_runs = g.overflow_runs;
+  v.stop = g.stop;
+  v.grad_norm = g.grad_norm;  // never report a partial norm as the norm
+  v.loss = g.loss;
+  loss_nonfinite = g.loss_nonfinite;
   return v;
+}
+
+// The reasons' names, in the core's bit order.
+void name_reasons(uint32_t bits, std::vector<std::string>& out) {
+  static const char* const kNames[kernels::kReasonCount] = {
+      "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike"};
+  for (int b = 0; b < kernels::kReasonCount; ++b)
+    if (bits & (1u << b)) out.push_back(kNames[b]);
 }
 
 }  // namespace
 
-double norm_of(double nonfinite, double sumsq) {
-  return nonfinite > 0 ? kNaN : std::sqrt(sumsq);
-}
+double norm_of(double nonfinite, double sumsq) { return kernels::norm_of(nonfinite, sumsq); }
 
 Verdict SkipDetector::decide(const std::vector<RankStats>& ranks) const {
   static const LossScaler kOff{TrainingConfig{}};
@@ -114,15 +115,13 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const LossScal
   v.grad_norm_z = zscores && std::isfinite(v.grad_norm) ? grad_norms_.zscore(v.grad_norm) : kNaN;
   v.loss_z = zscores && std::isfinite(v.loss) ? losses_.zscore(v.loss) : kNaN;
 
-  if (v.nonfinite > 0) v.reasons.push_back("nonfinite_grad");
-  if (loss_nonfinite) v.reasons.push_back("nonfinite_loss");
-  if (cfg_.enabled) {
-    if (cfg_.max_grad_norm > 0 && std::isfinite(v.grad_norm) && v.grad_norm > cfg_.max_grad_norm)
-      v.reasons.push_back("grad_norm_above_max");
-    if (cfg_.grad_norm_zscore > 0 && v.grad_norm_z > cfg_.grad_norm_zscore)
-      v.reasons.push_back("grad_norm_spike");
-    if (cfg_.loss_zscore > 0 && v.loss_z > cfg_.loss_zscore) v.reasons.push_back("loss_spike");
-  }
+  kernels::Global g;
+  g.nonfinite = v.nonfinite;
+  g.loss_nonfinite = loss_nonfinite;
+  name_reasons(kernels::reasons_of(g, v.grad_norm, v.grad_norm_z, v.loss_z,
+                                   {cfg_.enabled, cfg_.max_grad_norm, cfg_.grad_norm_zscore,
+                                    cfg_.loss_zscore}),
+               v.reasons);
   const LocalFindings f = local_findings(ranks, v.loss_scale);
   for (size_t r = 0; r < ranks.size(); ++r) {
     v.rank_grad_norm.push_back(norm_of(ranks[r].local_nonfinite, ranks[r].local_sumsq) /
@@ -152,17 +151,19 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const LossScal
 }
 
 std::string SkipDetector::guard_tripped() const {
-  if (cfg_.max_consecutive > 0 && consecutive_ + 1 > cfg_.max_consecutive)
-    return "skip.max_consecutive = " + std::to_string(cfg_.max_consecutive) + ": " +
-           std::to_string(consecutive_ + 1) + " skips in a row";
-  if (cfg_.max_fraction > 0) {
-    // Skips among the last fraction_window steps, this one included.
-    int64_t skips = recent_skips_ + 1;
-    if (static_cast<int64_t>(recent_.size()) == cfg_.fraction_window && recent_.front()) --skips;
-    if (static_cast<double>(skips) > cfg_.max_fraction * static_cast<double>(cfg_.fraction_window))
+  int64_t skips = 0;  // among the last fraction_window steps, this one included
+  switch (kernels::guard_tripped(consecutive_, cfg_.max_consecutive, recent_skips_,
+                                 static_cast<int64_t>(recent_.size()),
+                                 !recent_.empty() && recent_.front(), cfg_.max_fraction,
+                                 cfg_.fraction_window, &skips)) {
+    case kernels::kMaxConsecutive:
+      return "skip.max_consecutive = " + std::to_string(cfg_.max_consecutive) + ": " +
+             std::to_string(consecutive_ + 1) + " skips in a row";
+    case kernels::kMaxFraction:
       return "skip.max_fraction = " + nlohmann::json(cfg_.max_fraction).dump() + ": " +
              std::to_string(skips) + " skips in the last " + std::to_string(cfg_.fraction_window) +
              " steps";
+    case kernels::kNoGuard: break;
   }
   return "";
 }

@@ -3,7 +3,10 @@
 // that every rank advances identically: z-scores over rolling windows (the global values' and
 // each rank's own), thresholds, the anomaly's scope (local: a minority of ranks stand out
 // against their own windows; global: most do, or none does), its policy, guards, culprits.
-// Plain C++: no tensors, so it is the same code on every device and is unit-tested directly.
+// Plain C++: no tensors, so it is unit-tested directly. Its numbers (the rank-order reduction,
+// window z-scores, thresholds, guard counts) come from the framework-free core in
+// kernels/decision.h, which the device runs too (decision.cu), so host and device agree bit
+// for bit; scope, culprits and causes are computed here only.
 #pragma once
 
 #include <cstdint>

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "kernels/decision.h"
+
 namespace lockstep {
 
 LossScaler::LossScaler(const TrainingConfig& t)
@@ -24,19 +26,15 @@ std::string LossScaler::guard_on_overflow() const {
 }
 
 void LossScaler::record(bool overflow, bool updated) {
-  if (overflow) {
-    ++consecutive_overflows_;
-    growth_tracker_ = 0;
-    if (mode_ == LossScaleMode::kDynamic) scale_ *= backoff_factor_;
-    return;
-  }
-  if (!updated) return;
-  consecutive_overflows_ = 0;
-  if (mode_ != LossScaleMode::kDynamic) return;
-  if (++growth_tracker_ == growth_interval_) {
-    scale_ *= growth_factor_;
-    growth_tracker_ = 0;
-  }
+  // The shared decision core's rule (kernels/decision.h), the device's too.
+  kernels::LossScaleState s{scale_, growth_tracker_, consecutive_overflows_};
+  kernels::loss_scale_record(
+      s, {enabled(), mode_ == LossScaleMode::kDynamic, growth_factor_, backoff_factor_,
+          growth_interval_},
+      overflow, updated);
+  scale_ = s.scale;
+  growth_tracker_ = s.growth_tracker;
+  consecutive_overflows_ = s.consecutive_overflows;
 }
 
 nlohmann::json LossScaler::state() const {

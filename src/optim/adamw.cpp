@@ -16,6 +16,8 @@
 #define LOCKSTEP_HAVE_FUSED_ADAMW 0
 #endif
 
+#include "kernels/decision.h"
+
 namespace lockstep {
 
 AdamWOptions adamw_options(const OptimizerConfig& c) {
@@ -153,8 +155,7 @@ std::vector<NamedTensor> AdamW::state() const {
 }
 
 double clip_coefficient(double total_norm, double max_norm) {
-  if (max_norm <= 0 || !std::isfinite(total_norm)) return 1.0;
-  return std::min(1.0, max_norm / (total_norm + 1e-6));
+  return kernels::clip_coefficient(total_norm, max_norm);  // the device's too
 }
 
 }  // namespace lockstep
