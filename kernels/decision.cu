@@ -10,18 +10,18 @@
 namespace lockstep::kernels {
 namespace {
 
-__global__ void screen_kernel(const double* table, int world, ScreenState* state,
-                              ScreenConfig config, ScreenResult* out, float* found_inf,
+__global__ void decide_kernel(const double* table, int world, DecideState* state,
+                              DecideConfig config, DecideResult* out, float* found_inf,
                               float* grad_scale) {
-  screen_step(table, world, *state, config, *out, found_inf, grad_scale);
+  decide_step(table, world, *state, config, *out, found_inf, grad_scale);
 }
 
 }  // namespace
 
-int launch_screen_step(const double* table, int world, ScreenState* state,
-                       const ScreenConfig& config, ScreenResult* out, float* found_inf,
+int launch_decide_step(const double* table, int world, DecideState* state,
+                       const DecideConfig& config, DecideResult* out, float* found_inf,
                        float* grad_scale, void* stream) {
-  screen_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(table, world, state, config, out,
+  decide_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(table, world, state, config, out,
                                                                   found_inf, grad_scale);
   return static_cast<int>(cudaGetLastError());
 }

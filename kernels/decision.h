@@ -216,7 +216,19 @@ LOCKSTEP_HD inline void loss_scale_record(LossScaleState& s, const LossScaleRule
   }
 }
 
-// ---- the device's screen of a step (kernels/decision.cu) ----------------------------------------
+// ---- loss-scale guards ------------------------------------------------------------------------
+
+enum ScaleGuard : int { kNoScaleGuard = 0, kMaxOverflows = 1, kScaleMin = 2 };
+
+// The guard an overflow now would trip (it becomes an abort).
+LOCKSTEP_HD inline ScaleGuard scale_guard(const LossScaleState& s, const LossScaleRule& rule,
+                                          int64_t max_overflows, double min_scale) {
+  if (max_overflows > 0 && s.consecutive_overflows + 1 > max_overflows) return kMaxOverflows;
+  if (rule.dynamic && s.scale * rule.backoff_factor < min_scale) return kScaleMin;
+  return kNoScaleGuard;
+}
+
+// ---- the whole decision of a step on the device (kernels/decision.cu) -------------------------
 
 // A rolling window in device memory: `values[(head + i) % capacity]`, i = 0 the oldest.
 struct Ring {
@@ -240,44 +252,60 @@ LOCKSTEP_HD inline void ring_push(Ring& r, double v) {
   }
 }
 
-// The detector's state a clean step advances, on the device.
-struct ScreenState {
+// Everything a decision reads and advances, in device memory: the global windows, the last
+// fraction_window decisions (1 = skipped), the loss scale, the run's counters and the sticky
+// abort.
+struct DecideState {
   Ring grad_norms, losses;
+  Ring recent;  // 0 / 1 per decision, oldest first; recent_skips = their sum
+  int64_t recent_skips;
   LossScaleState scale;
-  int64_t consecutive_skips;
-  int64_t optimizer_steps;
+  int64_t consecutive_skips, optimizer_steps, skipped_steps, overflow_skips;
+  int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
 
-struct ScreenConfig {
+struct DecideConfig {
   Thresholds thresholds;
   int64_t min_history = 0;
   double max_norm = 0;  // training.max_norm: the clip
   LossScaleRule loss_scale;
+  int64_t loss_scale_max_overflows = 0;
+  double loss_scale_min = 0;
+  int64_t max_consecutive = 0;  // skip guards
+  double max_fraction = 0;
+  int64_t fraction_window = 0;
 };
 
-// What the host reads a step later (pinned), and what the fused AdamW reads now (found_inf,
-// grad_scale, on the device).
-struct ScreenResult {
+enum Outcome : int32_t { kTake = 0, kSkipStep = 1, kAbortRun = 2 };
+// Why an abort: a skip guard (Guard), a loss-scale guard (10 + ScaleGuard), skip.enabled =
+// false, or an earlier abort.
+enum AbortWhy : int32_t { kNotAborted = 0, kSkipDisabled = 20, kStickyAbort = 21 };
+
+// What the host reads a step later (pinned); found_inf and grad_scale go to the fused AdamW
+// now, on the device.
+struct DecideResult {
   double grad_norm, loss, grad_norm_z, loss_z, clip, loss_scale;
-  uint32_t reasons;  // 0: clean, taken on the device; else held for the host's decision
-  int32_t stop;      // a rank asked all to stop
-  int32_t overflow;  // loss scaling on, a nonfinite gradient and every loss finite
+  uint32_t reasons;   // kNonfiniteGrad, ... (an overflow: kNonfiniteGrad with `overflow`)
+  int32_t outcome;    // Outcome
+  int32_t why;        // Guard, 10 + ScaleGuard, or AbortWhy
+  int32_t overflow;   // loss scaling on, a nonfinite gradient and every loss finite
+  int32_t stop;       // a rank asked all to stop
+  int64_t skips_in_window;  // for the max_fraction guard's message
 };
 
-// One step on the device: reduce, score against the windows, and either take it (clean: the
-// update proceeds with grad_scale = loss scale / clip, the windows and counters advance) or
-// hold it (found_inf = 1: nothing is updated until the host, reading `out`, decides it with
-// scope and culprits). The host's SkipDetector computes the same numbers with the same code.
-LOCKSTEP_HD inline void screen_step(const double* table, int world, ScreenState& s,
-                                    const ScreenConfig& c, ScreenResult& out, float* found_inf,
-                                    float* grad_scale) {
+// The numbers and the outcome of one step; `s` is not changed.
+LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideState& s,
+                                   const DecideConfig& c, DecideResult& out) {
   const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
   const auto none = [](int) { return false; };
   const Global g = reduce_in_rank_order(stat, world, none);
   out.loss_scale = s.scale.scale;
   out.grad_norm = s.scale.scale != 1.0 ? g.grad_norm / s.scale.scale : g.grad_norm;
   out.loss = g.loss;
+  out.stop = g.stop ? 1 : 0;
   out.overflow = c.loss_scale.enabled && g.nonfinite > 0 && !g.loss_nonfinite ? 1 : 0;
+  out.why = kNotAborted;
+  out.skips_in_window = 0;
   const bool zscores = s.grad_norms.size >= c.min_history && !out.overflow;
   const auto gn = [&s](int64_t i) { return ring_at(s.grad_norms, i); };
   const auto ls = [&s](int64_t i) { return ring_at(s.losses, i); };
@@ -287,23 +315,86 @@ LOCKSTEP_HD inline void screen_step(const double* table, int world, ScreenState&
   out.loss_z = zscores && std::isfinite(out.loss) ? window_zscore(ls, s.losses.size, out.loss)
                                                   : nan_value();
   out.reasons = reasons_of(g, out.grad_norm, out.grad_norm_z, out.loss_z, c.thresholds);
-  out.stop = g.stop ? 1 : 0;
-  out.clip = out.reasons == 0 ? clip_coefficient(out.grad_norm, c.max_norm) : 1.0;
-  *found_inf = out.reasons == 0 ? 0.0f : 1.0f;
-  *grad_scale = static_cast<float>(out.loss_scale / out.clip);
-  if (out.reasons != 0) return;
-  ring_push(s.grad_norms, out.grad_norm);
-  ring_push(s.losses, out.loss);
-  s.consecutive_skips = 0;
-  ++s.optimizer_steps;
-  loss_scale_record(s.scale, c.loss_scale, false, true);
+  if (out.overflow) {  // the loss scale, not the data: skipped, backed off, its own guards
+    const ScaleGuard sg = scale_guard(s.scale, c.loss_scale, c.loss_scale_max_overflows,
+                                      c.loss_scale_min);
+    out.outcome = sg == kNoScaleGuard ? kSkipStep : kAbortRun;
+    out.why = sg == kNoScaleGuard ? kNotAborted : 10 + sg;
+  } else if (out.reasons == 0) {
+    out.outcome = kTake;
+  } else if (!c.thresholds.enabled) {
+    out.outcome = kAbortRun;
+    out.why = kSkipDisabled;
+  } else {
+    const bool oldest = s.recent.size > 0 && ring_at(s.recent, 0) != 0;
+    const Guard guard =
+        guard_tripped(s.consecutive_skips, c.max_consecutive, s.recent_skips, s.recent.size,
+                      oldest, c.max_fraction, c.fraction_window, &out.skips_in_window);
+    out.outcome = guard == kNoGuard ? kSkipStep : kAbortRun;
+    out.why = guard;
+  }
+  out.clip = out.outcome == kTake ? clip_coefficient(out.grad_norm, c.max_norm) : 1.0;
 }
 
-// screen_step as a one-thread kernel on `stream` (a cudaStream_t); every pointer is device
+// The decided step's effect on the state (as the host's SkipDetector::record, LossScaler::record
+// and the trainer's counters): an abort sets the sticky flag and changes nothing else.
+LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
+                                    const DecideResult& r) {
+  if (r.outcome == kAbortRun) {
+    s.aborted = 1;
+    return;
+  }
+  if (r.overflow) {
+    loss_scale_record(s.scale, c.loss_scale, true, false);
+    ++s.overflow_skips;
+    return;
+  }
+  const bool skipped = r.outcome == kSkipStep;
+  if (skipped) {
+    ++s.consecutive_skips;
+    ++s.skipped_steps;
+  } else {
+    s.consecutive_skips = 0;
+    ring_push(s.grad_norms, r.grad_norm);
+    ring_push(s.losses, r.loss);
+    ++s.optimizer_steps;
+  }
+  if (s.recent.capacity > 0) {
+    if (s.recent.size == s.recent.capacity) s.recent_skips -= ring_at(s.recent, 0) != 0 ? 1 : 0;
+    ring_push(s.recent, skipped ? 1.0 : 0.0);
+    s.recent_skips += skipped ? 1 : 0;
+  }
+  loss_scale_record(s.scale, c.loss_scale, false, !skipped);
+}
+
+// One step on the device: STEP, SKIP or ABORT from the exchanged table and the state, as the
+// host decides it with skip.on_global_spike = "skip" and nothing settled before the sync (no
+// salvage, no replay): found_inf = 1 blocks the fused AdamW on a skip or an abort (and on
+// every step after an abort), grad_scale = loss scale / clip.
+LOCKSTEP_HD inline void decide_step(const double* table, int world, DecideState& s,
+                                    const DecideConfig& c, DecideResult& out, float* found_inf,
+                                    float* grad_scale) {
+  if (s.aborted) {
+    out = DecideResult{};
+    out.outcome = kAbortRun;
+    out.why = kStickyAbort;
+    out.clip = 1.0;
+    out.loss_scale = s.scale.scale;
+    *found_inf = 1.0f;
+    *grad_scale = 1.0f;
+    return;
+  }
+  score_step(table, world, s, c, out);
+  *found_inf = out.outcome == kTake ? 0.0f : 1.0f;
+  *grad_scale = static_cast<float>(out.loss_scale / out.clip);
+  record_step(s, c, out);
+}
+
+// decide_step as a one-thread kernel on `stream` (a cudaStream_t); every pointer is device
 // memory, `state`'s rings included. Returns a cudaError_t as int (0 = launched). CUDA builds
 // only (kernels/decision.cu).
-int launch_screen_step(const double* table, int world, ScreenState* state,
-                       const ScreenConfig& config, ScreenResult* out, float* found_inf,
+int launch_decide_step(const double* table, int world, DecideState* state,
+                       const DecideConfig& config, DecideResult* out, float* found_inf,
                        float* grad_scale, void* stream);
 
 }  // namespace lockstep::kernels

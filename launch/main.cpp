@@ -84,13 +84,14 @@ int fail(ExitCode code, const std::string& message) {
 struct Cli {
   CLI::App app{"lockstep: distributed training that skips bad gradient updates in lockstep",
                "lockstep"};
-  CLI::App *train, *show, *check, *keys, *faults, *info, *gradcheck, *comm, *diag, *report,
-      *version, *shard, *sample, *exporter, *generate;
+  CLI::App *train, *show, *check, *keys, *faults, *info, *gradcheck, *comm, *decision, *diag,
+      *report, *version, *shard, *sample, *exporter, *generate;
   std::string train_config, file, ckpt_dir, diag_dir, quarantine, report_dir, report_out;
   int64_t fault_ranks = 1;
   bool json = false;
   lockstep::GradcheckBenchOptions gradcheck_options;
   lockstep::CommBenchOptions comm_options;
+  lockstep::DecisionBenchOptions decision_options;
   lockstep::ShardOptions shard_options;
   lockstep::GenerateOptions generate_options;
   std::vector<int64_t> sample_ids;
@@ -182,6 +183,15 @@ void add_bench(Cli& c) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   c.comm->add_flag("--json", o.json, "One JSON object per measurement");
+  auto& d = c.decision_options;
+  c.decision = bench->add_subcommand(
+      "decision", "The step decision's cost per world size (host detector, device form)");
+  c.decision->add_option("--worlds", d.worlds, "World sizes")
+      ->check(CLI::Range(1, 1 << 20))
+      ->capture_default_str();
+  c.decision->add_option("--steps", d.steps, "Decisions timed per world size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 }
 
 // The tools around a run: data shards and samples, export, generation.
@@ -335,6 +345,8 @@ int run(Cli& c) {
                                     "reference (see the check column)");
   if (*c.comm && !lockstep::bench_comm(c.comm_options))
     return fail(ExitCode::kFailure, "bench comm: a collective returned a wrong result");
+  if (*c.decision && !lockstep::bench_decision(c.decision_options))
+    return fail(ExitCode::kFailure, "bench decision: the two forms of the decision disagreed");
   if (*c.diag) return diagnose(c);
   if (*c.report)
     return lockstep::render_report(c.report_dir,

@@ -1,7 +1,7 @@
-// The decision's shared core (kernels/decision.h): screen_step, the form the device runs, gives
-// the host SkipDetector's numbers bit for bit over long random runs with faults, and takes
-// exactly the steps the host takes as clean, advancing the windows, the loss scale and the
-// counters as the host does.
+// The decision's shared core (kernels/decision.h): decide_step, the form the device runs, takes
+// the host's decisions bit for bit over long random runs with faults, guards and fp16 loss
+// scaling (SkipDetector with skip.on_global_spike = "skip", LossScaler, the trainer's
+// counters), and an abort is sticky.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -9,8 +9,8 @@
 
 #include "decide/detector.h"
 #include "decide/loss_scale.h"
-#include "kernels/decision.h"
 #include "detector_util.h"
+#include "kernels/decision.h"
 #include "optim/adamw.h"
 
 using namespace lockstep;
@@ -19,111 +19,151 @@ namespace {
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
-// A device-style state whose rings are loaded from the host detector's windows.
-struct Mirror {
-  std::vector<double> grad_norms, losses;
-  kernels::ScreenState s{};
-  explicit Mirror(int64_t capacity) : grad_norms(capacity), losses(capacity) {}
-  void load(const SkipDetector& d, const LossScaler& scaler, int64_t optimizer_steps) {
-    const auto fill = [](std::vector<double>& ring, const Window& w) {
-      std::copy(w.values().begin(), w.values().end(), ring.begin());
-      return kernels::Ring{ring.data(), static_cast<int64_t>(ring.size()), 0, w.size()};
-    };
-    s.grad_norms = fill(grad_norms, d.grad_norms());
-    s.losses = fill(losses, d.losses());
-    const auto st = scaler.state();
-    s.scale = {scaler.scale(), st.at("growth_tracker").get<int64_t>(),
-               st.at("consecutive_overflows").get<int64_t>()};
-    s.consecutive_skips = d.consecutive_skips();
-    s.optimizer_steps = optimizer_steps;
+// A device-style state: rings in host vectors.
+struct DeviceState {
+  std::vector<double> grad_norms, losses, recent;
+  kernels::DecideState s{};
+  DeviceState(int64_t window, int64_t fraction_window, double scale)
+      : grad_norms(window), losses(window), recent(fraction_window) {
+    s.grad_norms = {grad_norms.data(), window, 0, 0};
+    s.losses = {losses.data(), window, 0, 0};
+    s.recent = {recent.data(), fraction_window, 0, 0};
+    s.scale.scale = scale;
   }
-  std::vector<double> values(const kernels::Ring& r) const {
+  static std::vector<double> values(const kernels::Ring& r) {
     std::vector<double> out;
     for (int64_t i = 0; i < r.size; ++i) out.push_back(kernels::ring_at(r, i));
     return out;
   }
 };
 
+// The host guard's name for the core's `why`.
+std::string guard_prefix(int32_t why) {
+  switch (why) {
+    case kernels::kMaxConsecutive: return "skip.max_consecutive";
+    case kernels::kMaxFraction: return "skip.max_fraction";
+    case 10 + kernels::kMaxOverflows: return "training.loss_scale_max_overflows";
+    case 10 + kernels::kScaleMin: return "training.loss_scale_min";
+    case kernels::kSkipDisabled: return "skip.enabled = false";
+    default: return "";
+  }
+}
+
+struct Policy {
+  bool enabled;
+  const char* scaling;
+};
+
 }  // namespace
 
-TEST(DecisionCore, TheDeviceScreenIsTheHostDecisionBitForBit) {
+TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
   std::mt19937_64 rng(20261204);
   for (int world : {1, 2, 3, 4, 8})
-    for (const char* scaling : {"none", "dynamic"}) {
+    for (const Policy policy : {Policy{true, "none"}, Policy{true, "dynamic"}, Policy{false, "none"}}) {
       SkipConfig cfg;
-      cfg.enabled = true;
+      cfg.enabled = policy.enabled;
+      cfg.on_global_spike = OnGlobalSpike::kSkip;
       cfg.window = 32;
       cfg.min_history = 8;
       cfg.max_grad_norm = 40;
-      cfg.max_consecutive = 0;
-      cfg.max_fraction = 0;
+      cfg.max_consecutive = 2;
+      cfg.max_fraction = 0.1;
+      cfg.fraction_window = 20;
       TrainingConfig training;
-      training.loss_scale = scaling;
+      training.loss_scale = policy.scaling;
       training.loss_scale_init = 1024;
       training.loss_scale_growth_interval = 7;
+      training.loss_scale_min = 128;
       const double max_norm = 1.0;
-      SkipDetector detector(cfg);
-      LossScaler scaler(training);
-      Mirror mirror(cfg.window);
-      int64_t optimizer_steps = 0, held = 0, taken = 0;
-      mirror.load(detector, scaler, optimizer_steps);
-      const kernels::ScreenConfig config{
+      const bool dynamic = std::string(policy.scaling) == "dynamic";
+      const kernels::DecideConfig config{
           {cfg.enabled, cfg.max_grad_norm, cfg.grad_norm_zscore, cfg.loss_zscore},
           cfg.min_history,
           max_norm,
-          {scaler.enabled(), std::string(scaling) == "dynamic", training.loss_scale_growth_factor,
-           training.loss_scale_backoff_factor, training.loss_scale_growth_interval}};
-      for (int step = 1; step <= 600; ++step) {
-        const std::string at = std::to_string(world) + " ranks, " + scaling + ", step " +
-                               std::to_string(step);
-        const std::vector<RankStats> table = test::random_step(rng, world, scaler.scale());
-        const Verdict v = detector.decide(table, scaler);
-        std::vector<double> flat(table.size() * kernels::kStatsDoubles);
-        std::memcpy(flat.data(), table.data(), flat.size() * sizeof(double));
-        kernels::ScreenResult r{};
-        float found_inf = -1, grad_scale = -1;
-        kernels::screen_step(flat.data(), world, mirror.s, config, r, &found_inf, &grad_scale);
+          {dynamic, dynamic, training.loss_scale_growth_factor,
+           training.loss_scale_backoff_factor, training.loss_scale_growth_interval},
+          training.loss_scale_max_overflows,
+          training.loss_scale_min,
+          cfg.max_consecutive,
+          cfg.max_fraction,
+          cfg.fraction_window};
+      int taken = 0, skipped = 0, aborted = 0, overflows = 0;
+      for (int run = 0; run < 40 && taken < 2000; ++run) {  // a fresh run after every abort
+        SkipDetector detector(cfg);
+        LossScaler scaler(training);
+        DeviceState dev(cfg.window, cfg.fraction_window, scaler.scale());
+        int64_t optimizer_steps = 0, skipped_steps = 0, overflow_skips = 0;
+        for (int step = 1; step <= 400; ++step) {
+          const std::string at = std::to_string(world) + " ranks, skip " +
+                                 (policy.enabled ? "on, " : "off, ") + policy.scaling + ", run " +
+                                 std::to_string(run) + ", step " + std::to_string(step);
+          const std::vector<RankStats> table = test::random_step(rng, world, scaler.scale());
+          const Verdict v = detector.decide(table, scaler);
+          std::vector<double> flat(table.size() * kernels::kStatsDoubles);
+          std::memcpy(flat.data(), table.data(), flat.size() * sizeof(double));
+          kernels::DecideResult r{};
+          float found_inf = -1, grad_scale = -1;
+          kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
 
-        ASSERT_TRUE(same_bits(r.grad_norm, v.grad_norm)) << at;
-        ASSERT_TRUE(same_bits(r.loss, v.loss)) << at;
-        ASSERT_TRUE(same_bits(r.grad_norm_z, v.grad_norm_z)) << at;
-        ASSERT_TRUE(same_bits(r.loss_z, v.loss_z)) << at;
-        ASSERT_TRUE(same_bits(r.loss_scale, v.loss_scale)) << at;
-        ASSERT_EQ(r.overflow != 0, v.overflow) << at;
-        const bool clean = r.reasons == 0;
-        ASSERT_EQ(clean, v.reasons.empty()) << at;
-        ASSERT_EQ(clean, v.decision == Decision::kStep) << at << ": " << decision_name(v.decision);
-        ASSERT_EQ(found_inf, clean ? 0.0f : 1.0f) << at;
-        if (clean) {
-          const double clip = clip_coefficient(v.grad_norm, max_norm);
+          ASSERT_TRUE(same_bits(r.grad_norm, v.grad_norm)) << at;
+          ASSERT_TRUE(same_bits(r.loss, v.loss)) << at;
+          ASSERT_TRUE(same_bits(r.grad_norm_z, v.grad_norm_z)) << at;
+          ASSERT_TRUE(same_bits(r.loss_z, v.loss_z)) << at;
+          ASSERT_TRUE(same_bits(r.loss_scale, v.loss_scale)) << at;
+          ASSERT_EQ(r.overflow != 0, v.overflow) << at;
+          const Decision want = r.outcome == kernels::kTake       ? Decision::kStep
+                                : r.outcome == kernels::kSkipStep ? Decision::kSkip
+                                                                  : Decision::kAbort;
+          ASSERT_EQ(decision_name(want), std::string(decision_name(v.decision))) << at;
+          ASSERT_EQ(found_inf, v.decision == Decision::kStep ? 0.0f : 1.0f) << at;
+          if (v.decision == Decision::kAbort) {
+            ASSERT_FALSE(guard_prefix(r.why).empty()) << at << ": why " << r.why;
+            ASSERT_EQ(v.guard.rfind(guard_prefix(r.why), 0), 0u) << at << ": " << v.guard;
+            // Sticky: whatever comes next, nothing is updated.
+            kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
+            ASSERT_EQ(r.outcome, kernels::kAbortRun) << at;
+            ASSERT_EQ(r.why, kernels::kStickyAbort) << at;
+            ASSERT_EQ(found_inf, 1.0f) << at;
+            ++aborted;
+            break;
+          }
+          const double clip = v.decision == Decision::kStep ? clip_coefficient(v.grad_norm, max_norm)
+                                                            : 1.0;
           ASSERT_TRUE(same_bits(r.clip, clip)) << at;
           ASSERT_EQ(grad_scale, static_cast<float>(v.loss_scale / clip)) << at;
-        }
-        // The host decides and records the agreed step; the device's clean step must have
-        // advanced its state the same way, and a held step gets the host's state back.
-        detector.record(v);
-        scaler.record(v.overflow, v.decision != Decision::kSkip && v.decision != Decision::kAbort);
-        optimizer_steps += v.decision == Decision::kSkip || v.decision == Decision::kAbort ? 0 : 1;
-        if (clean) {
-          ++taken;
-          ASSERT_EQ(mirror.values(mirror.s.grad_norms),
-                    std::vector<double>(detector.grad_norms().values().begin(),
-                                        detector.grad_norms().values().end()))
+          // The host records the agreed step as the trainer does; the device did the same.
+          const bool skip = v.decision == Decision::kSkip;
+          detector.record(v);
+          scaler.record(v.overflow, !skip);
+          optimizer_steps += skip ? 0 : 1;
+          skipped_steps += skip && !v.overflow ? 1 : 0;
+          overflow_skips += v.overflow ? 1 : 0;
+          taken += skip ? 0 : 1;
+          skipped += skip ? 1 : 0;
+          overflows += v.overflow ? 1 : 0;
+          const auto& w = detector.grad_norms().values();
+          ASSERT_EQ(DeviceState::values(dev.s.grad_norms), std::vector<double>(w.begin(), w.end()))
               << at;
-          ASSERT_EQ(mirror.values(mirror.s.losses),
-                    std::vector<double>(detector.losses().values().begin(),
-                                        detector.losses().values().end()))
+          const auto& l = detector.losses().values();
+          ASSERT_EQ(DeviceState::values(dev.s.losses), std::vector<double>(l.begin(), l.end()))
               << at;
-          ASSERT_TRUE(same_bits(mirror.s.scale.scale, scaler.scale())) << at;
-          ASSERT_EQ(mirror.s.optimizer_steps, optimizer_steps) << at;
-          ASSERT_EQ(mirror.s.consecutive_skips, detector.consecutive_skips()) << at;
-        } else {
-          ++held;
-          mirror.load(detector, scaler, optimizer_steps);
+          ASSERT_TRUE(same_bits(dev.s.scale.scale, scaler.scale())) << at;
+          ASSERT_EQ(dev.s.scale.consecutive_overflows, scaler.consecutive_overflows()) << at;
+          ASSERT_EQ(dev.s.consecutive_skips, detector.consecutive_skips()) << at;
+          ASSERT_EQ(dev.s.optimizer_steps, optimizer_steps) << at;
+          ASSERT_EQ(dev.s.skipped_steps, skipped_steps) << at;
+          ASSERT_EQ(dev.s.overflow_skips, overflow_skips) << at;
         }
       }
-      // Both kinds of step happened, and the ring wrapped around (600 steps, window 32).
-      EXPECT_GT(held, 20) << world << " ranks, " << scaling;
-      EXPECT_GT(taken, 400) << world << " ranks, " << scaling;
+      // Every path was taken: steps, skips, aborts (and overflows with loss scaling).
+      const std::string what = std::to_string(world) + " ranks, " + policy.scaling;
+      EXPECT_GT(taken, 300) << what;
+      EXPECT_GT(aborted, 3) << what;
+      if (policy.enabled) {
+        EXPECT_GT(skipped, 20) << what;
+      }
+      if (dynamic) {
+        EXPECT_GT(overflows, 5) << what;
+      }
     }
 }

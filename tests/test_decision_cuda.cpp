@@ -1,13 +1,13 @@
 // The decision's shared core as the one-thread device kernel (kernels/decision.cu) against the
-// same code on the host: every number, the clean/held screen, found_inf, grad_scale, and the
-// windows, loss scale and counters a clean step advances, bit for bit. Labelled `gpu`.
+// same code on the host: every number, the outcome, found_inf, grad_scale, and the windows,
+// guards, loss scale and counters each step advances, bit for bit; an abort stays sticky on
+// the device. Labelled `gpu`.
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <random>
 #include <vector>
 
 #include "detector_util.h"
@@ -22,53 +22,74 @@ void ok(cudaError_t e) { ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e); }
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 // Field by field (the struct's padding is not written by the kernel).
-bool same(const kernels::ScreenResult& a, const kernels::ScreenResult& b) {
+bool same(const kernels::DecideResult& a, const kernels::DecideResult& b) {
   return same_bits(a.grad_norm, b.grad_norm) && same_bits(a.loss, b.loss) &&
          same_bits(a.grad_norm_z, b.grad_norm_z) && same_bits(a.loss_z, b.loss_z) &&
          same_bits(a.clip, b.clip) && same_bits(a.loss_scale, b.loss_scale) &&
-         a.reasons == b.reasons && a.stop == b.stop && a.overflow == b.overflow;
+         a.reasons == b.reasons && a.outcome == b.outcome && a.why == b.why &&
+         a.overflow == b.overflow && a.stop == b.stop && a.skips_in_window == b.skips_in_window;
 }
 
-template <class T>
-T* device_copy(const T* host, size_t n) {
+double* device_doubles(size_t n) {
   void* p = nullptr;
-  EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
-  if (host) EXPECT_EQ(cudaMemcpy(p, host, n * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  return static_cast<T*>(p);
+  EXPECT_EQ(cudaMalloc(&p, n * sizeof(double)), cudaSuccess);
+  return static_cast<double*>(p);
+}
+
+constexpr int64_t kWindow = 32, kFractionWindow = 20;
+
+// A fresh state on the host (rings in `host`) and its twin on the device (rings in `rings`).
+kernels::DecideState fresh(std::vector<double>& host, double* rings, bool on_device) {
+  host.assign(2 * kWindow + kFractionWindow, 0.0);
+  double* base = on_device ? rings : host.data();
+  kernels::DecideState s{};
+  s.grad_norms = {base, kWindow, 0, 0};
+  s.losses = {base + kWindow, kWindow, 0, 0};
+  s.recent = {base + 2 * kWindow, kFractionWindow, 0, 0};
+  s.scale.scale = 1024;
+  return s;
 }
 
 }  // namespace
 
 TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  constexpr int64_t kWindow = 32;
   const int world = 4;
-  const kernels::ScreenConfig config{{true, 40, 6, 6}, 8, 1.0, {true, true, 2, 0.5, 7}};
-  std::vector<double> host_g(kWindow), host_l(kWindow);
-  kernels::ScreenState host{};
-  host.grad_norms = {host_g.data(), kWindow, 0, 0};
-  host.losses = {host_l.data(), kWindow, 0, 0};
-  host.scale.scale = 1024;
-  kernels::ScreenState dev_init = host;
-  dev_init.grad_norms.values = device_copy<double>(nullptr, kWindow);
-  dev_init.losses.values = device_copy<double>(nullptr, kWindow);
-  kernels::ScreenState* dev = device_copy(&dev_init, 1);
-  double* table = device_copy<double>(nullptr, world * kernels::kStatsDoubles);
-  kernels::ScreenResult* result = device_copy<kernels::ScreenResult>(nullptr, 1);
-  float* flags = device_copy<float>(nullptr, 2);
+  const kernels::DecideConfig config{{true, 40, 6, 6}, 8, 1.0, {true, true, 2, 0.5, 7}, 20, 128,
+                                     2, 0.1, kFractionWindow};
+  double* rings = device_doubles(2 * kWindow + kFractionWindow);
+  double* table = device_doubles(world * kernels::kStatsDoubles);
+  void* p = nullptr;
+  ok(cudaMalloc(&p, sizeof(kernels::DecideState)));
+  auto* dev = static_cast<kernels::DecideState*>(p);
+  ok(cudaMalloc(&p, sizeof(kernels::DecideResult)));
+  auto* result = static_cast<kernels::DecideResult*>(p);
+  ok(cudaMalloc(&p, 2 * sizeof(float)));
+  auto* flags = static_cast<float*>(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  std::vector<double> host_rings;
+  kernels::DecideState host{};
+  const auto restart = [&] {
+    std::vector<double> unused;
+    const kernels::DecideState d = fresh(unused, rings, true);
+    host = fresh(host_rings, rings, false);
+    ok(cudaMemcpy(dev, &d, sizeof d, cudaMemcpyHostToDevice));
+    ok(cudaMemcpy(rings, host_rings.data(), host_rings.size() * sizeof(double),
+                  cudaMemcpyHostToDevice));
+  };
+  restart();
 
   std::mt19937_64 rng(7);
-  int held = 0;
-  for (int step = 1; step <= 600; ++step) {
+  int aborts = 0, skips = 0;
+  for (int step = 1; step <= 3000; ++step) {
     const auto t = test::random_step(rng, world, host.scale.scale);
     std::vector<double> flat(t.size() * kernels::kStatsDoubles);
     std::memcpy(flat.data(), t.data(), flat.size() * sizeof(double));
     ok(cudaMemcpy(table, flat.data(), flat.size() * sizeof(double), cudaMemcpyHostToDevice));
-    kernels::ScreenResult want{}, got{};
+    kernels::DecideResult want{}, got{};
     float want_flags[2], got_flags[2];
-    kernels::screen_step(flat.data(), world, host, config, want, &want_flags[0], &want_flags[1]);
-    ASSERT_EQ(kernels::launch_screen_step(table, world, dev, config, result, flags, flags + 1,
+    kernels::decide_step(flat.data(), world, host, config, want, &want_flags[0], &want_flags[1]);
+    ASSERT_EQ(kernels::launch_decide_step(table, world, dev, config, result, flags, flags + 1,
                                           stream),
               0);
     ok(cudaStreamSynchronize(stream));
@@ -76,24 +97,19 @@ TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {
     ok(cudaMemcpy(got_flags, flags, sizeof got_flags, cudaMemcpyDeviceToHost));
     ASSERT_TRUE(same(got, want)) << "step " << step;
     ASSERT_EQ(std::memcmp(got_flags, want_flags, sizeof got_flags), 0) << "step " << step;
-    held += want.reasons != 0;
+    std::vector<double> dev_rings(host_rings.size());
+    ok(cudaMemcpy(dev_rings.data(), rings, dev_rings.size() * sizeof(double),
+                  cudaMemcpyDeviceToHost));
+    ASSERT_EQ(dev_rings, host_rings) << "step " << step;
+    skips += want.outcome == kernels::kSkipStep;
+    if (want.outcome == kernels::kAbortRun) {
+      ++aborts;
+      restart();
+    }
   }
-  kernels::ScreenState end{};
-  ok(cudaMemcpy(&end, dev, sizeof end, cudaMemcpyDeviceToHost));
-  std::vector<double> g(kWindow), l(kWindow);
-  ok(cudaMemcpy(g.data(), dev_init.grad_norms.values, kWindow * sizeof(double),
-                cudaMemcpyDeviceToHost));
-  ok(cudaMemcpy(l.data(), dev_init.losses.values, kWindow * sizeof(double),
-                cudaMemcpyDeviceToHost));
-  EXPECT_EQ(g, host_g);
-  EXPECT_EQ(l, host_l);
-  EXPECT_EQ(end.grad_norms.head, host.grad_norms.head);
-  EXPECT_EQ(std::memcmp(&end.scale, &host.scale, sizeof end.scale), 0);
-  EXPECT_EQ(end.optimizer_steps, host.optimizer_steps);
-  EXPECT_GT(held, 20);
-  for (void* p : {static_cast<void*>(dev_init.grad_norms.values),
-                  static_cast<void*>(dev_init.losses.values), static_cast<void*>(dev),
-                  static_cast<void*>(table), static_cast<void*>(result),
-                  static_cast<void*>(flags)})
-    cudaFree(p);
+  EXPECT_GT(skips, 50);
+  EXPECT_GT(aborts, 3);
+  for (void* q : {static_cast<void*>(rings), static_cast<void*>(table), static_cast<void*>(dev),
+                  static_cast<void*>(result), static_cast<void*>(flags)})
+    cudaFree(q);
 }

@@ -1,4 +1,4 @@
-// `lockstep bench gradcheck` and `lockstep bench comm`: measured in the same run against the
+// `lockstep bench gradcheck`, `lockstep bench comm` and `lockstep bench decision`: measured in the same run against the
 // baselines, correctness checked on every timed run.
 #pragma once
 
@@ -39,5 +39,14 @@ struct CommBenchOptions {
 // iteration's result is checked against the exact expected values. Returns false on a wrong
 // result on any rank.
 bool bench_comm(const CommBenchOptions& options);
+
+struct DecisionBenchOptions {
+  std::vector<int> worlds = {1, 2, 4, 8, 64, 1024};
+  int steps = 2000;
+};
+
+// `lockstep bench decision`: the cost of one step decision (host detector and the device's
+// form of it, computed on the host) per world size. Returns false if the two ever disagreed.
+bool bench_decision(const DecisionBenchOptions& options);
 
 }  // namespace lockstep

@@ -24,6 +24,7 @@
 #include <functional>
 #include <thread>
 
+#include "bench/machine.h"
 #include "check/gradcheck.h"
 #include "kernels/gradcheck.h"
 #include "lockstep/error.h"
@@ -39,14 +40,6 @@ namespace {
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown CPU";
-}
 
 at::ScalarType dtype_of(const std::string& s) {
   if (s == "fp32") return at::kFloat;
@@ -203,19 +196,6 @@ struct Case {
   }
 };
 
-std::string describe_machine(bool cuda) {
-#ifdef LOCKSTEP_WITH_CUDA
-  if (cuda) {
-    auto info = kernels::query_device_info();
-    return fmt::format("{}, driver {}.{}, CUDA runtime {}.{}", info.device_name,
-                       info.driver_version / 1000, (info.driver_version % 1000) / 10,
-                       info.runtime_version / 1000, (info.runtime_version % 1000) / 10);
-  }
-#endif
-  return fmt::format("{}, {} hardware threads, SIMD {}", cpu_model(),
-                     std::thread::hardware_concurrency(), kernels::cpu_isa());
-}
-
 void print_header(const std::string& machine, c10::Device dev, bool cuda) {
   fmt::print("lockstep bench gradcheck | {} | LibTorch {} | device {} | threads {}\n", machine,
              TORCH_VERSION, dev.str(), at::get_num_threads());
@@ -255,6 +235,28 @@ void print_case(const GradcheckBenchOptions& o, const std::string& machine, c10:
 }
 
 }  // namespace
+
+static std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown CPU";
+}
+
+std::string describe_machine(bool cuda) {
+#ifdef LOCKSTEP_WITH_CUDA
+  if (cuda) {
+    auto info = kernels::query_device_info();
+    return fmt::format("{}, driver {}.{}, CUDA runtime {}.{}", info.device_name,
+                       info.driver_version / 1000, (info.driver_version % 1000) / 10,
+                       info.runtime_version / 1000, (info.runtime_version % 1000) / 10);
+  }
+#endif
+  return fmt::format("{}, {} hardware threads, SIMD {}", cpu_model(),
+                     std::thread::hardware_concurrency(), kernels::cpu_isa());
+}
+
 
 bool bench_gradcheck(const GradcheckBenchOptions& o) {
   const bool cuda = o.device == "cuda";

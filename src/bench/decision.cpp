@@ -1,0 +1,100 @@
+// `lockstep bench decision`: what the step decision itself costs as the world grows, apart
+// from the collective that brings the table (measured by `lockstep bench comm`). Two forms of
+// the same decision over the same tables: the host's SkipDetector (with the per-rank windows
+// that scope and culprits need) and kernels/decision.h's decide_step (the device's form, here
+// compiled for the host). Every timed call's outcome is compared between the two.
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+
+#include "bench/machine.h"
+#include "decide/detector.h"
+#include "decide/loss_scale.h"
+#include "kernels/decision.h"
+#include "lockstep/bench.h"
+
+namespace lockstep {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Healthy tables with jitter: every step is taken, so the windows keep moving.
+std::vector<RankStats> healthy_table(std::mt19937_64& rng, int world) {
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<RankStats> t(static_cast<size_t>(world));
+  for (auto& r : t) {
+    const double norm = 1.0 + 0.1 * u(rng);
+    r.shard_sumsq = norm * norm / world;
+    r.local_sumsq = norm * norm;
+    r.loss = 3.0 + 0.1 * u(rng);
+  }
+  return t;
+}
+
+struct Timing {
+  double host_us = 0, core_us = 0;
+  bool agreed = true;
+};
+
+Timing time_world(int world, const DecisionBenchOptions& o) {
+  SkipConfig cfg;
+  cfg.enabled = true;
+  cfg.on_global_spike = OnGlobalSpike::kSkip;
+  const LossScaler scaler{TrainingConfig{}};
+  SkipDetector detector(cfg);
+  std::vector<double> rings(2 * cfg.window + cfg.fraction_window);
+  kernels::DecideState s{};
+  s.grad_norms = {rings.data(), cfg.window, 0, 0};
+  s.losses = {rings.data() + cfg.window, cfg.window, 0, 0};
+  s.recent = {rings.data() + 2 * cfg.window, cfg.fraction_window, 0, 0};
+  s.scale.scale = 1;
+  const kernels::DecideConfig c{{cfg.enabled, cfg.max_grad_norm, cfg.grad_norm_zscore,
+                                 cfg.loss_zscore},
+                                cfg.min_history, 1.0, {}, 0, 0, cfg.max_consecutive,
+                                cfg.max_fraction, cfg.fraction_window};
+  std::mt19937_64 rng(1);
+  std::vector<std::vector<RankStats>> tables;
+  for (int i = 0; i < o.steps; ++i) tables.push_back(healthy_table(rng, world));
+  Timing t;
+  std::vector<Decision> host(tables.size());
+  auto start = Clock::now();
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const Verdict v = detector.decide(tables[i], scaler);
+    detector.record(v);
+    host[i] = v.decision;
+  }
+  t.host_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / o.steps;
+  std::vector<double> flat(static_cast<size_t>(world) * kernels::kStatsDoubles);
+  start = Clock::now();
+  for (size_t i = 0; i < tables.size(); ++i) {
+    std::memcpy(flat.data(), tables[i].data(), flat.size() * sizeof(double));
+    kernels::DecideResult r{};
+    float found_inf = 0, grad_scale = 0;
+    kernels::decide_step(flat.data(), world, s, c, r, &found_inf, &grad_scale);
+    t.agreed = t.agreed && (r.outcome == kernels::kTake) == (host[i] == Decision::kStep);
+  }
+  t.core_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / o.steps;
+  return t;
+}
+
+}  // namespace
+
+bool bench_decision(const DecisionBenchOptions& o) {
+  fmt::print("lockstep bench decision | {} | {} steps per world size, windows of {}, one "
+             "thread\n",
+             describe_machine(false), o.steps, SkipConfig{}.window);
+  fmt::print("{:>6} | {:>14} | {:>20} | {}\n", "ranks", "host decide us", "device form (host) us",
+             "same outcomes");
+  bool ok = true;
+  for (int world : o.worlds) {
+    const Timing t = time_world(world, o);
+    ok = ok && t.agreed;
+    fmt::print("{:>6} | {:>14.2f} | {:>20.3f} | {}\n", world, t.host_us, t.core_us,
+               t.agreed ? "yes" : "NO");
+  }
+  return ok;
+}
+
+}  // namespace lockstep
