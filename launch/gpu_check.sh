@@ -97,6 +97,33 @@ cat "$out/bench_gradcheck.txt"
   || status=1
 tail -3 "$out/train_gpu.log" | tee -a "$out/summary.txt"
 
+# --- host syncs per step and the skip machinery's cost on the GPU ----------------------------
+# c10's sync debug mode warns at every synchronizing CUDA operation; the warnings of a 30-step
+# run minus those of a 10-step run, over 20, are the syncs of one clean, non-log step.
+sync_warnings() {  # STEPS ARGS...: the sync warnings of one run
+  local steps="$1"
+  shift
+  rm -rf "$build/run-sync"
+  LOCKSTEP_CUDA_SYNC_DEBUG=warn "$build/bin/lockstep" train --training.device cuda \
+    --job.dump_folder "$build/run-sync" --checkpoint.enable false --metrics.log_freq 1000 \
+    --training.steps "$steps" "$@" 2>&1 | grep -c "synchronizing CUDA operation"
+}
+for side in "--skip.enabled false" "--skip.enabled true" "--skip.enabled true --diagnostics.local_check false"; do
+  # shellcheck disable=SC2086
+  a=$(sync_warnings 10 $side) b=$(sync_warnings 30 $side)
+  log "host syncs per clean step ($side): $(python3 -c "print(($b - $a) / 20)") (warnings: 10 steps $a, 30 steps $b)"
+done
+skip_cost() {  # ARGS...: ms/step of 300 steps (the metrics' last record)
+  rm -rf "$build/run-skip"
+  "$build/bin/lockstep" train --training.device cuda --job.dump_folder "$build/run-skip" \
+    --checkpoint.enable false --training.steps 300 --metrics.log_freq 300 "$@" >/dev/null 2>&1 || return 1
+  python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["ms_per_step"])' \
+    "$build/run-skip/metrics.jsonl"
+}
+off1=$(skip_cost --skip.enabled false) on1=$(skip_cost --skip.enabled true)
+off2=$(skip_cost --skip.enabled false) on2=$(skip_cost --skip.enabled true)
+log "skip machinery on vs off (default model, 300 steps, two interleaved rounds): off $off1 / $off2 ms, on $on1 / $on2 ms, ratio $(python3 -c "print(round(($on1 + $on2) / ($off1 + $off2), 3))")"
+
 # --- a larger GPT in bf16 and fp32 (TF32), and a 0.8 B Llama in bf16: tokens/s and MFU ----------
 # (the trainer's MFU: torchtitan's FLOPs per token against the known peak of this GPU)
 gpt_model=(--model.dim 1024 --model.n_layers 12 --model.n_heads 16 --model.max_seq_len 1024

@@ -67,8 +67,8 @@ void build_model(Job& j) {
   j.dp = make_data_parallel(
       j.model->parameters(), j.comm.get(),
       {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
-       c.parallelism.overlap, adamw_options(c.optimizer), dtype_of(c.training.mixed_precision_param),
-       dtype_of(c.training.mixed_precision_reduce)});
+       c.parallelism.overlap, adamw_options(c.optimizer),
+       dtype_of(c.training.mixed_precision_param), dtype_of(c.training.mixed_precision_reduce)});
   j.shard_check = std::make_unique<GradCheck>(j.dp->synced_grads(), j.dp->shard_offset(),
                                               j.dp->shard_length());
   if (c.diagnostics.local_check) j.local_check = std::make_unique<GradCheck>(j.dp->grads());

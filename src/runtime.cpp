@@ -13,6 +13,11 @@
 #include "lockstep/error.h"
 
 #ifdef LOCKSTEP_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <cstdlib>
+#include <string>
+
 #include "kernels/device_info.h"
 #endif
 
@@ -37,7 +42,21 @@ c10::Device resolve_device(DeviceKind kind, int local_rank) {
   const auto gpus = static_cast<int>(at::getNumGPUs());
   const c10::Device d(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % std::max(1, gpus)));
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(d);  // kernels launch on it
+  set_sync_debug_mode();
   return d;
+}
+
+void set_sync_debug_mode() {
+#ifdef LOCKSTEP_WITH_CUDA
+  const char* env = std::getenv("LOCKSTEP_CUDA_SYNC_DEBUG");
+  const std::string mode = env ? env : "";
+  if (mode.empty()) return;
+  if (mode != "warn" && mode != "error")
+    throw ConfigError("invalid value for LOCKSTEP_CUDA_SYNC_DEBUG: \"" + mode +
+                      "\"; expected warn or error (or unset)");
+  c10::cuda::warning_state().set_sync_debug_mode(mode == "warn" ? c10::cuda::SyncDebugMode::L_WARN
+                                                                : c10::cuda::SyncDebugMode::L_ERROR);
+#endif
 }
 
 int set_intra_op_threads(int64_t threads, int local_world_size) {

@@ -17,6 +17,11 @@ namespace lockstep {
 // for but missing.
 c10::Device resolve_device(DeviceKind kind, int local_rank = 0);
 
+// LOCKSTEP_CUDA_SYNC_DEBUG = warn | error: c10's CUDA sync debug mode (every synchronizing CUDA
+// operation warns, or throws), to count or forbid host syncs in a GPU run. Unset: off.
+// resolve_device calls it for a CUDA device; without CUDA it does nothing.
+void set_sync_debug_mode();
+
 // "cpu", or the GPU's name ("NVIDIA H200").
 std::string device_name(c10::Device device);
 

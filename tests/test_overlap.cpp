@@ -98,8 +98,9 @@ TEST(Overlap, BucketsStartDuringBackwardAndSumAsTheSyncAfterIt) {
         EXPECT_TRUE(at::equal(overlapped, after)) << what << ": the synced shard differs";
         // The local gradient [A] reads is untouched by the sync in flight (ddp reduces into a
         // buffer of its own; sharded reads it and writes its block after the check).
-        if (mode == ParallelMode::kDdp)
+        if (mode == ParallelMode::kDdp) {
           EXPECT_TRUE(at::equal(local, plain_gradient(comm.rank()))) << what;
+        }
       });
 }
 

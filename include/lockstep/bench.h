@@ -1,5 +1,5 @@
-// `lockstep bench gradcheck`, `lockstep bench comm` and `lockstep bench decision`: measured in the same run against the
-// baselines, correctness checked on every timed run.
+// `lockstep bench gradcheck`, `lockstep bench comm` and `lockstep bench decision`: measured in
+// the same run against the baselines, correctness checked on every timed run.
 #pragma once
 
 #include <cstdint>

@@ -21,8 +21,9 @@
 //
 // Both sync in buckets (overlap.h). Overlap (parallelism.overlap): the collective of a bucket
 // starts during the last micro-batch's backward, as soon as autograd has finished its
-// gradients; the sync then only waits. The buckets are the same either way, and so are the sums. ddp then reduces into a buffer of its own (one more gradient-sized buffer, as
-// PyTorch DDP's buckets), so the local gradient stays readable for check [A].
+// gradients; the sync then only waits. The buckets are the same either way, and so are the
+// sums. ddp then reduces into a buffer of its own (one more gradient-sized buffer, as PyTorch
+// DDP's buckets), so the local gradient stays readable for check [A].
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -43,9 +44,9 @@ namespace lockstep {
 
 struct DataParallelOptions {
   ParallelMode mode = ParallelMode::kDdp;
-  // Bytes of gradient per collective call. ddp with overlap: whole parameters, from the last
-  // back. Sharded: all ranks' blocks together, so the backends' staging buffers (Gloo flattens
-  // its list arguments) stay that small.
+  // Bytes of gradient per collective call. ddp: whole parameters, from the last back. Sharded:
+  // all ranks' blocks together, so the backends' staging buffers (Gloo flattens its list
+  // arguments) stay that small.
   int64_t bucket_bytes = 16 << 20;
   bool overlap = false;  // start buckets during the last backward (more than one rank)
   AdamWOptions adamw;
@@ -77,7 +78,7 @@ class DataParallel {
   void begin_last_backward() {
     if (buckets_ && buckets_->overlapped()) buckets_->arm();
   }
-  // The gradient sync's buckets (null with one rank).
+  // The gradient sync's buckets (null with one rank, and in sharded mode without overlap).
   const GradientBuckets* buckets() const { return buckets_.get(); }
 
   // The update at learning rate `lr` under `control` (a skip changes nothing anywhere).

@@ -63,7 +63,8 @@ class Ddp final : public DataParallel {
   // copied from the local gradient into the reduce buffer (when that is another buffer) and
   // all-reduced there in place.
   void build_buckets(int64_t bytes, bool overlap) {
-    const int64_t per = std::max<int64_t>(1, bytes / static_cast<int64_t>(c10::elementSize(reduce_dtype_)));
+    const auto element = static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+    const int64_t per = std::max<int64_t>(1, bytes / element);  // elements per bucket
     std::vector<std::vector<int>> needs;
     int64_t hi = total_;
     for (int64_t lo = total_; lo > 0;) {

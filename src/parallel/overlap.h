@@ -1,5 +1,5 @@
-// Overlap of the gradient collective with backward (parallelism.overlap), as PyTorch DDP's
-// Reducer does it: a hook on every parameter's gradient accumulator tells when autograd has
+// The gradient sync in buckets, and its overlap with backward (parallelism.overlap) as PyTorch
+// DDP's Reducer does it: a hook on every parameter's gradient accumulator tells when autograd has
 // finished that parameter's gradient during the last micro-batch's backward; a bucket's
 // collective starts as soon as all its gradients are final and every earlier bucket has started.
 // Buckets start in one fixed order on every rank (collectives must), whatever order autograd

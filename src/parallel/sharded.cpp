@@ -67,7 +67,8 @@ class Sharded final : public DataParallel {
       if (world_ > 1) in_buckets([&](int64_t from, int64_t n) { return reduce_scatter(from, n); });
     }
     if (world_ > 1) {
-      reduce_.narrow(0, rank_ * block_, block_).copy_(grad_block_).div_(static_cast<double>(contributors));
+      at::Tensor mine = reduce_.narrow(0, rank_ * block_, block_);
+      mine.copy_(grad_block_).div_(static_cast<double>(contributors));
     }
     if (opt_grad_block_.defined()) opt_grad_block_.copy_(reduce_.narrow(0, rank_ * block_, block_));
   }
