@@ -20,7 +20,8 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   const auto per_micro = static_cast<int64_t>(ids.size()) / micro_batches;
   const double scale = job.scaler->scale();
   job.faults->begin_computation(batch_rank, index);
-  std::vector<at::Tensor> losses, samples;  // on the device until the one read below
+  std::vector<at::Tensor> samples;  // on the device: no host sync on a clean step
+  at::Tensor loss_sum;              // fp64, in micro-batch order
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     const std::vector<int64_t> mids(ids.begin() + micro * per_micro,
                                     ids.begin() + (micro + 1) * per_micro);
@@ -39,19 +40,14 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
         job.faults->on_objective(loss.div(static_cast<double>(micro_batches)), micro);
     if (micro == micro_batches - 1 && index == 0) job.dp->begin_last_backward();  // overlap
     (scale == 1.0 ? objective : objective.mul(scale)).backward();
-    losses.push_back(loss.detach().reshape({1}));
+    const at::Tensor mean = loss.detach().to(at::kDouble);
+    loss_sum = micro == 0 ? mean : loss_sum.add(mean);
     samples.push_back(per_sample.detach());
   }
   job.faults->on_gradients(job.dp->grads());
-  // One read of the step's losses (on a GPU one host sync, not two per micro-batch): each
-  // micro-batch's mean, then every sample's, in fp64 as before.
-  samples.insert(samples.begin(), losses.begin(), losses.end());
-  const at::Tensor host = at::cat(samples).to(at::kDouble).cpu();
-  const double* v = host.data_ptr<double>();
-  double loss_sum = 0;
-  for (int64_t micro = 0; micro < micro_batches; ++micro) loss_sum += v[micro];
-  out.sample_losses.assign(v + micro_batches, v + host.numel());
-  out.loss = loss_sum / static_cast<double>(micro_batches);
+  out.loss_t = loss_sum.div(static_cast<double>(micro_batches));
+  out.sample_losses_t = at::cat(samples).to(at::kDouble);
+  out.losses_read = false;
   out.sample_ids = ids;
 }
 
@@ -68,7 +64,26 @@ void forward_backward(Job& job, RankStep& s, int64_t step) {
 
 void check_local(Job& job, RankStep& s) {
   s.local_checked = job.local_check != nullptr;
-  if (s.local_checked) s.local = GradCheck::read(job.local_check->run());
+  if (s.local_checked) s.local_stats = job.local_check->run().clone();  // its buffer is reused
+  s.local_read = false;
+}
+
+void read_to_host(RankStep& s) {
+  if (!s.losses_read && s.loss_t.defined()) {  // one read: the loss, then every sample's
+    const at::Tensor host = at::cat({s.loss_t.reshape({1}), s.sample_losses_t}).cpu();
+    const double* v = host.const_data_ptr<double>();
+    s.loss = v[0];
+    s.sample_losses.assign(v + 1, v + host.numel());
+    s.losses_read = true;
+  }
+  if (!s.local_read && s.local_stats.defined()) {
+    s.local = GradCheck::read(s.local_stats);
+    s.local_read = true;
+  }
+  if (!s.shard_read && s.shard_stats.defined()) {
+    s.shard = GradCheck::read(s.shard_stats);
+    s.shard_read = true;
+  }
 }
 
 Recompute replayer(Job& job, RankStep& s, int64_t step) {
@@ -80,8 +95,12 @@ Recompute replayer(Job& job, RankStep& s, int64_t step) {
     RankStep replay;
     run_batch(job, step, batch_rank, ++computations, ids, replay);
     check_local(job, replay);
+    read_to_host(replay);
     const ReplayNumbers n{replay.loss, replay.local.sumsq, replay.local.nonfinite};
-    if (keep) {
+    if (keep) {  // the recomputed numbers, on the host and on the device
+      for (at::Tensor RankStep::*f : {&RankStep::loss_t, &RankStep::sample_losses_t,
+                                      &RankStep::local_stats})
+        s.*f = replay.*f;
       s.loss = replay.loss;
       s.sample_losses = replay.sample_losses;
       s.local = replay.local;

@@ -16,8 +16,14 @@ namespace lockstep {
 // accumulate in .grad (times the loss scale, fp16); losses and samples go into `s`.
 void forward_backward(Job& job, RankStep& s, int64_t step);
 
-// Check [A]: this rank's own gradient before the sync, into s.local (diagnostics.local_check).
+// Check [A]: this rank's own gradient before the sync, into s.local_stats (on the device;
+// diagnostics.local_check).
 void check_local(Job& job, RankStep& s);
+
+// Reads what `s` holds on the device into its host fields (loss, sample losses, the checks'
+// stats), each once: a host sync on a GPU, so only the triage, replays and anomalous steps call
+// it.
+void read_to_host(RankStep& s);
 
 // The Recompute the triage and the probe call at step `step`. A kept replay (a culprit's own)
 // replaces s's loss, sample losses and check [A] with the recomputed ones.

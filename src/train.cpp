@@ -27,8 +27,10 @@
 namespace lockstep {
 namespace {
 
-// What the triage and the probe read of this rank's step.
-TriageInput triage_input(const Job& job, const RankStep& s) {
+// What the triage and the probe read of this rank's step (on the host: only when they run).
+TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
+  if (!job.triager->needs_input(step)) return {};
+  read_to_host(s);
   return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses,
           job.scaler->scale()};
 }
@@ -44,18 +46,21 @@ std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
   job.dp->sync_gradients(job.ranks.world_size - static_cast<int>(t.dropped.size()));
   const auto synced = Clock::now();
   s.costs.sync = std::chrono::duration<double>(synced - start).count();
-  s.shard = GradCheck::read(job.shard_check->run());
-  const RankStats mine =
-      rank_stats(s.local, s.shard, s.loss, s.sample_losses, StopSignals::received() != 0);
-  std::vector<RankStats> table = exchange_stats(mine, job.comm.get());
+  s.shard_stats = job.shard_check->run().clone();  // [B]; its buffer is reused next step
+  s.shard_read = false;
+  // This rank's row, built on the device; the table is the step's one read on the host.
+  const at::Tensor row = rank_row(s.local_stats, s.shard_stats, s.loss_t, s.sample_losses_t,
+                                  StopSignals::received() != 0);
+  std::vector<RankStats> table = exchange_stats(row, job.comm.get());
   s.costs.decision += seconds_since(synced);
   return table;
 }
 
 // Every rank writes its event (its own view plus the agreed table). A skip is logged; an abort
 // keeps the last good state (the weights are still it) and stops every rank alike.
-void explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
+void explain(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
              double lr) {
+  read_to_host(s);
   const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
   const Event e =
       job.explainer->event(job.state.step + 1, job.state, s, v, table, samples, *job.detector, lr);
@@ -114,9 +119,10 @@ StepResult step(Job& job, int64_t step, double lr) {
   check_local(job, s);  // [A]
   s.costs.decision = seconds_since(start);
   const Recompute replay = replayer(job, s, step);
-  Triage triage = job.triager->before_sync(*job.detector, triage_input(job, s), replay, s.costs);
+  Triage triage =
+      job.triager->before_sync(*job.detector, triage_input(job, s, step), replay, s.costs);
   const std::vector<RankStats> table = measure(job, s, triage);
-  job.triager->probe(step, table, triage_input(job, s), replay, triage, s.costs);
+  job.triager->probe(step, table, triage_input(job, s, step), replay, triage, s.costs);
   start = Clock::now();
   StepResult r{job.detector->decide(table, *job.scaler, triage)};
   s.costs.decision += seconds_since(start);

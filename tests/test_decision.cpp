@@ -1,13 +1,18 @@
 // The decision's shared core (kernels/decision.h): decide_step, the form the device runs, takes
 // the host's decisions bit for bit over long random runs with faults, guards and fp16 loss
 // scaling (SkipDetector with skip.on_global_spike = "skip", LossScaler, the trainer's
-// counters), and an abort is sticky.
+// counters), and an abort is sticky. And the exchanged row built where the tensors live is the
+// host's.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "decide/detector.h"
+#include "decide/exchange.h"
 #include "decide/loss_scale.h"
 #include "detector_util.h"
 #include "kernels/decision.h"
@@ -166,4 +171,33 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
         EXPECT_GT(overflows, 5) << what;
       }
     }
+}
+
+TEST(Exchange, TheRowBuiltOnTheDeviceIsTheHostRowBitForBit) {
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> u(0, 10);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int i = 0; i < 200; ++i) {
+    const int tensors = 1 + static_cast<int>(rng() % 4);
+    const auto stats = [&] {  // a GradCheck stats buffer: nonfinite, sumsq, overflow runs, ...
+      at::Tensor t = at::empty({kernels::kStatsHeader + 2 * tensors}, at::kDouble);
+      for (int64_t k = 0; k < t.numel(); ++k) t.data_ptr<double>()[k] = u(rng);
+      t.data_ptr<double>()[0] = static_cast<double>(rng() % 3);
+      return t;
+    };
+    const at::Tensor local = i % 5 == 0 ? at::Tensor() : stats(), shard = stats();
+    at::Tensor samples = at::empty({1 + static_cast<int64_t>(rng() % 8)}, at::kDouble);
+    for (int64_t k = 0; k < samples.numel(); ++k)
+      samples.data_ptr<double>()[k] = rng() % 7 == 0 ? nan : u(rng);
+    const at::Tensor loss = at::full({}, i % 9 == 0 ? nan : u(rng), at::kDouble);
+    const bool stop = i % 4 == 0;
+    const at::Tensor row = rank_row(local, shard, loss, samples, stop);
+    const std::vector<double> sl(samples.data_ptr<double>(),
+                                 samples.data_ptr<double>() + samples.numel());
+    const RankStats want =
+        rank_stats(local.defined() ? GradCheck::read(local) : GradCheckStats{},
+                   GradCheck::read(shard), loss.item<double>(), sl, stop);
+    ASSERT_EQ(row.numel(), kRankStatsDoubles);
+    ASSERT_EQ(std::memcmp(row.data_ptr<double>(), &want, sizeof want), 0) << "case " << i;
+  }
 }

@@ -118,9 +118,12 @@ class TimeoutScope {
   double before_ = 0;
 };
 
-// Every rank's `mine` (equally long on all ranks), in rank order: one all-gather of doubles
-// (exact for integers below 2^53) into one [W, n] tensor on the comm's device, so NCCL costs
-// one copy up and one back, not one per rank. A null comm is one rank alone.
+// Every rank's `row` (a 1-D tensor, as long on every rank), in rank order, as one [W, n] tensor
+// on the host: one all-gather into one tensor on the comm's device (NCCL: no copy up when the
+// row is on the GPU already, one read back), not one copy per rank. A null comm is one rank.
+at::Tensor all_gather_rows(Comm* comm, const at::Tensor& row);
+
+// The same for doubles held on the host (exact for integers below 2^53).
 std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine);
 
 // NCCL is built in (LOCKSTEP_CUDA builds).

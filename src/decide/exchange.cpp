@@ -1,5 +1,11 @@
 #include "decide/exchange.h"
 
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/zeros.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -19,14 +25,32 @@ RankStats rank_stats(const GradCheckStats& local, const GradCheckStats& shard, d
   return s;
 }
 
-std::vector<RankStats> exchange_stats(const RankStats& mine, Comm* comm) {
-  std::vector<double> values(kRankStatsDoubles);
-  std::memcpy(values.data(), &mine, sizeof mine);
-  const auto all = all_gather_values(comm, values);
-  std::vector<RankStats> out(all.size());
-  for (size_t r = 0; r < all.size(); ++r)
-    std::memcpy(static_cast<void*>(&out[r]), all[r].data(), sizeof mine);
+at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::Tensor& loss,
+                    const at::Tensor& sample_losses, bool stop_requested) {
+  const auto o = shard.options();
+  const at::Tensor own = local.defined() ? local.narrow(0, 0, 2) : at::zeros({2}, o);
+  const at::Tensor bad = at::isfinite(sample_losses).logical_not().sum().to(at::kDouble);
+  // The RankStats layout: shard nonfinite, sumsq; local nonfinite, sumsq; loss; stop;
+  // overflow runs; bad samples (the stats buffers: nonfinite, sumsq, overflow runs, ...).
+  static_assert(kRankStatsDoubles == 8, "rank_row writes the eight fields of RankStats");
+  return at::cat({shard.narrow(0, 0, 2), own, loss.reshape({1}),
+                  at::full({1}, stop_requested ? 1.0 : 0.0, o), shard.narrow(0, 2, 1),
+                  bad.reshape({1})});
+}
+
+std::vector<RankStats> exchange_stats(const at::Tensor& row, Comm* comm) {
+  const at::Tensor table = all_gather_rows(comm, row);  // [W, 8] fp64 on the host
+  std::vector<RankStats> out(static_cast<size_t>(table.size(0)));
+  for (size_t r = 0; r < out.size(); ++r)
+    std::memcpy(static_cast<void*>(&out[r]),
+                table.select(0, static_cast<int64_t>(r)).data_ptr<double>(), sizeof(RankStats));
   return out;
+}
+
+std::vector<RankStats> exchange_stats(const RankStats& mine, Comm* comm) {
+  at::Tensor row = at::empty({kRankStatsDoubles}, at::kDouble);
+  std::memcpy(row.data_ptr<double>(), &mine, sizeof mine);
+  return exchange_stats(row, comm);
 }
 
 SampleTable exchange_samples(const std::vector<int64_t>& ids, const std::vector<double>& losses,

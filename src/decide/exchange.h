@@ -17,8 +17,16 @@ namespace lockstep {
 RankStats rank_stats(const GradCheckStats& local, const GradCheckStats& shard, double loss,
                      const std::vector<double>& sample_losses, bool stop_requested);
 
-// Every rank's stats, in rank order (a null comm is one rank alone).
+// The same row built where the tensors live, with no host sync: the checks' stats buffers
+// (GradCheck::run(); `local` undefined when check [A] is off), the loss (0-dim) and every
+// sample's loss, all fp64 on one device. Bit for bit the numbers rank_stats gives.
+at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::Tensor& loss,
+                    const at::Tensor& sample_losses, bool stop_requested);
+
+// Every rank's stats, in rank order (a null comm is one rank alone): from this rank's stats on
+// the host, or from its row on the device (one all-gather, one read of the table).
 std::vector<RankStats> exchange_stats(const RankStats& mine, Comm* comm);
+std::vector<RankStats> exchange_stats(const at::Tensor& row, Comm* comm);
 
 // Per rank: the sample ids of its batch and their losses.
 struct SampleTable {

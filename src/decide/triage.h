@@ -54,6 +54,11 @@ class Triager {
 
   // Whether the pre-sync exchange runs every step.
   bool active() const { return active_; }
+  // Whether step `step` (1-based) reads this rank's numbers on the host: the pre-sync exchange
+  // or a probe.
+  bool needs_input(int64_t step) const {
+    return active_ || (replay_every_ > 0 && world_ >= 2 && step % replay_every_ == 0);
+  }
   // Steps 1, 2 and 3 above. Empty (and no collective) when not active. Adds what the extra
   // all-gather took to costs.triage, the recomputations to costs.replay.
   Triage before_sync(const SkipDetector& detector, const TriageInput& in,

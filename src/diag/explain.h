@@ -26,6 +26,10 @@ struct RankStep {
   bool local_checked = false;  // check [A] ran (diagnostics.local_check)
   GradCheckStats local, shard;  // checks [A] (this rank's own gradient) and [B] (its shard)
   StepCosts costs;
+  // The same numbers where they were computed (fp64 on the device): a clean step reads none of
+  // them on the host; read_to_host (compute.h) fills the fields above when something needs them.
+  at::Tensor loss_t, sample_losses_t, local_stats, shard_stats;
+  bool losses_read = false, local_read = false, shard_read = false;
 };
 
 // The samples to blame, in the culprit ranks' batches (local anomalies only): those whose own
