@@ -264,6 +264,23 @@ struct DecideState {
   int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
 
+// The doubles a DecideState's rings take: both windows, then the recent decisions.
+inline int64_t decide_state_doubles(int64_t window, int64_t fraction_window) {
+  return 2 * window + fraction_window;
+}
+
+// A fresh state whose rings live in `rings` (decide_state_doubles of them, host or device
+// memory): empty windows, no decisions yet, loss scale `scale`.
+inline DecideState fresh_decide_state(double* rings, int64_t window, int64_t fraction_window,
+                                      double scale) {
+  DecideState s{};
+  s.grad_norms = {rings, window, 0, 0};
+  s.losses = {rings + window, window, 0, 0};
+  s.recent = {rings + 2 * window, fraction_window, 0, 0};
+  s.scale.scale = scale;
+  return s;
+}
+
 struct DecideConfig {
   Thresholds thresholds;
   int64_t min_history = 0;

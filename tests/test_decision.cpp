@@ -24,17 +24,13 @@ namespace {
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
-// A device-style state: rings in host vectors.
+// A device-style state: its rings in a host vector.
 struct DeviceState {
-  std::vector<double> grad_norms, losses, recent;
-  kernels::DecideState s{};
+  std::vector<double> rings;
+  kernels::DecideState s;
   DeviceState(int64_t window, int64_t fraction_window, double scale)
-      : grad_norms(window), losses(window), recent(fraction_window) {
-    s.grad_norms = {grad_norms.data(), window, 0, 0};
-    s.losses = {losses.data(), window, 0, 0};
-    s.recent = {recent.data(), fraction_window, 0, 0};
-    s.scale.scale = scale;
-  }
+      : rings(kernels::decide_state_doubles(window, fraction_window)),
+        s(kernels::fresh_decide_state(rings.data(), window, fraction_window, scale)) {}
   static std::vector<double> values(const kernels::Ring& r) {
     std::vector<double> out;
     for (int64_t i = 0; i < r.size; ++i) out.push_back(kernels::ring_at(r, i));
@@ -64,7 +60,8 @@ struct Policy {
 TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
   std::mt19937_64 rng(20261204);
   for (int world : {1, 2, 3, 4, 8})
-    for (const Policy policy : {Policy{true, "none"}, Policy{true, "dynamic"}, Policy{false, "none"}}) {
+    for (const Policy policy :
+         {Policy{true, "none"}, Policy{true, "dynamic"}, Policy{false, "none"}}) {
       SkipConfig cfg;
       cfg.enabled = policy.enabled;
       cfg.on_global_spike = OnGlobalSpike::kSkip;
@@ -132,8 +129,8 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
             ++aborted;
             break;
           }
-          const double clip = v.decision == Decision::kStep ? clip_coefficient(v.grad_norm, max_norm)
-                                                            : 1.0;
+          const double clip =
+              v.decision == Decision::kStep ? clip_coefficient(v.grad_norm, max_norm) : 1.0;
           ASSERT_TRUE(same_bits(r.clip, clip)) << at;
           ASSERT_EQ(grad_scale, static_cast<float>(v.loss_scale / clip)) << at;
           // The host records the agreed step as the trainer does; the device did the same.

@@ -38,17 +38,7 @@ double* device_doubles(size_t n) {
 
 constexpr int64_t kWindow = 32, kFractionWindow = 20;
 
-// A fresh state on the host (rings in `host`) and its twin on the device (rings in `rings`).
-kernels::DecideState fresh(std::vector<double>& host, double* rings, bool on_device) {
-  host.assign(2 * kWindow + kFractionWindow, 0.0);
-  double* base = on_device ? rings : host.data();
-  kernels::DecideState s{};
-  s.grad_norms = {base, kWindow, 0, 0};
-  s.losses = {base + kWindow, kWindow, 0, 0};
-  s.recent = {base + 2 * kWindow, kFractionWindow, 0, 0};
-  s.scale.scale = 1024;
-  return s;
-}
+const int64_t kRingDoubles = kernels::decide_state_doubles(kWindow, kFractionWindow);
 
 }  // namespace
 
@@ -57,7 +47,7 @@ TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {
   const int world = 4;
   const kernels::DecideConfig config{{true, 40, 6, 6}, 8, 1.0, {true, true, 2, 0.5, 7}, 20, 128,
                                      2, 0.1, kFractionWindow};
-  double* rings = device_doubles(2 * kWindow + kFractionWindow);
+  double* rings = device_doubles(kRingDoubles);
   double* table = device_doubles(world * kernels::kStatsDoubles);
   void* p = nullptr;
   ok(cudaMalloc(&p, sizeof(kernels::DecideState)));
@@ -69,10 +59,11 @@ TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   std::vector<double> host_rings;
   kernels::DecideState host{};
-  const auto restart = [&] {
-    std::vector<double> unused;
-    const kernels::DecideState d = fresh(unused, rings, true);
-    host = fresh(host_rings, rings, false);
+  const auto restart = [&] {  // a fresh state on the host and its twin on the device
+    host_rings.assign(kRingDoubles, 0.0);
+    host = kernels::fresh_decide_state(host_rings.data(), kWindow, kFractionWindow, 1024);
+    const kernels::DecideState d =
+        kernels::fresh_decide_state(rings, kWindow, kFractionWindow, 1024);
     ok(cudaMemcpy(dev, &d, sizeof d, cudaMemcpyHostToDevice));
     ok(cudaMemcpy(rings, host_rings.data(), host_rings.size() * sizeof(double),
                   cudaMemcpyHostToDevice));

@@ -44,12 +44,9 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   cfg.on_global_spike = OnGlobalSpike::kSkip;
   const LossScaler scaler{TrainingConfig{}};
   SkipDetector detector(cfg);
-  std::vector<double> rings(2 * cfg.window + cfg.fraction_window);
-  kernels::DecideState s{};
-  s.grad_norms = {rings.data(), cfg.window, 0, 0};
-  s.losses = {rings.data() + cfg.window, cfg.window, 0, 0};
-  s.recent = {rings.data() + 2 * cfg.window, cfg.fraction_window, 0, 0};
-  s.scale.scale = 1;
+  std::vector<double> rings(kernels::decide_state_doubles(cfg.window, cfg.fraction_window));
+  kernels::DecideState s =
+      kernels::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, 1.0);
   const kernels::DecideConfig c{{cfg.enabled, cfg.max_grad_norm, cfg.grad_norm_zscore,
                                  cfg.loss_zscore},
                                 cfg.min_history, 1.0, {}, 0, 0, cfg.max_consecutive,

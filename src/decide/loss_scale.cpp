@@ -15,23 +15,34 @@ LossScaler::LossScaler(const TrainingConfig& t)
       growth_interval_(t.loss_scale_growth_interval),
       max_overflows_(t.loss_scale_max_overflows) {}
 
+// The shared decision core's state and rule (kernels/decision.h): the device's too.
+namespace {
+kernels::LossScaleRule rule_of(LossScaleMode mode, double growth, double backoff,
+                               int64_t interval) {
+  return {mode != LossScaleMode::kNone, mode == LossScaleMode::kDynamic, growth, backoff,
+          interval};
+}
+}  // namespace
+
 std::string LossScaler::guard_on_overflow() const {
-  if (max_overflows_ > 0 && consecutive_overflows_ + 1 > max_overflows_)
-    return fmt::format("training.loss_scale_max_overflows = {}: {} overflows in a row",
-                       max_overflows_, consecutive_overflows_ + 1);
-  if (mode_ == LossScaleMode::kDynamic && scale_ * backoff_factor_ < min_)
-    return fmt::format("training.loss_scale_min = {}: the scale would fall to {}", min_,
-                       scale_ * backoff_factor_);
+  const kernels::LossScaleState s{scale_, growth_tracker_, consecutive_overflows_};
+  switch (kernels::scale_guard(
+      s, rule_of(mode_, growth_factor_, backoff_factor_, growth_interval_), max_overflows_, min_)) {
+    case kernels::kMaxOverflows:
+      return fmt::format("training.loss_scale_max_overflows = {}: {} overflows in a row",
+                         max_overflows_, consecutive_overflows_ + 1);
+    case kernels::kScaleMin:
+      return fmt::format("training.loss_scale_min = {}: the scale would fall to {}", min_,
+                         scale_ * backoff_factor_);
+    case kernels::kNoScaleGuard: break;
+  }
   return "";
 }
 
 void LossScaler::record(bool overflow, bool updated) {
-  // The shared decision core's rule (kernels/decision.h), the device's too.
   kernels::LossScaleState s{scale_, growth_tracker_, consecutive_overflows_};
-  kernels::loss_scale_record(
-      s, {enabled(), mode_ == LossScaleMode::kDynamic, growth_factor_, backoff_factor_,
-          growth_interval_},
-      overflow, updated);
+  kernels::loss_scale_record(s, rule_of(mode_, growth_factor_, backoff_factor_, growth_interval_),
+                             overflow, updated);
   scale_ = s.scale;
   growth_tracker_ = s.growth_tracker;
   consecutive_overflows_ = s.consecutive_overflows;
