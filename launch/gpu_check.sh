@@ -3,14 +3,28 @@
 # python3) but no package registry, runs every `gpu`-labelled test and the GPU benchmarks, and
 # writes the results into OUT_DIR. The other build dependencies come from .gpu-deps/debs
 # (made by launch/gpu_deps.sh on a machine with Debian's registry), unpacked without dpkg.
+# A GPU lease is short: every stage has a time cap, the stages run most-wanted first, and a
+# stage that would start after LOCKSTEP_GPU_DEADLINE seconds (default 540) is skipped and says so.
 #   launch/gpu_check.sh OUT_DIR
 set -uo pipefail
 out="${1:?usage: launch/gpu_check.sh OUT_DIR}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${LOCKSTEP_GPU_BUILD_DIR:-$root/build-gpu}"
+deadline="${LOCKSTEP_GPU_DEADLINE:-540}"
 mkdir -p "$out"
-log() { printf '[gpu_check %(%H:%M:%S)T] %s\n' -1 "$*" | tee -a "$out/summary.txt"; }
+log() { printf '[gpu_check %(%H:%M:%S)T +%ds] %s\n' -1 "$SECONDS" "$*" | tee -a "$out/summary.txt"; }
 status=0
+# capped SECONDS CMD...: runs CMD for at most SECONDS, and never past the deadline.
+capped() {
+  local cap="$1" left=$((deadline - SECONDS))
+  shift
+  ((left < cap)) && cap=$left
+  if ((cap < 5)); then
+    log "out of time, skipped: $*"
+    return 124
+  fi
+  timeout -k 5 "$cap" "$@"
+}
 
 # --- dependencies carried as Debian packages -----------------------------------------------
 deps="$root/.gpu-deps"
@@ -45,78 +59,105 @@ if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$torch_dir/share/cmake;$prefix_path" \
     -DLOCKSTEP_CUDA=ON -DLOCKSTEP_MPI=OFF -DTORCH_CUDA_ARCH_LIST=9.0 \
     -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" -DCUDA_TOOLKIT_ROOT_DIR="$cuda_root" \
-    -DCUDAToolkit_ROOT="$cuda_root" >"$out/configure.log" 2>&1; then
+    -DCUDAToolkit_ROOT="$cuda_root" -DCMAKE_EXE_LINKER_FLAGS=-rdynamic \
+    >"$out/configure.log" 2>&1; then
   log "configure FAILED (configure.log)"; tail -30 "$out/configure.log"; exit 1
 fi
 start=$SECONDS
-if ! cmake --build "$build" -j "$(nproc)" >"$out/build.log" 2>&1; then
+if ! cmake --build "$build" -j "$(nproc)" --target lockstep lockstep-run lockstep_gpu_tests \
+    >"$out/build.log" 2>&1; then
   log "build FAILED (build.log)"; grep -E "error|FAILED" "$out/build.log" | head -30; exit 1
 fi
 log "built in $((SECONDS - start)) s"
 "$build/bin/lockstep" version >"$out/version.txt" 2>&1
 cat "$out/version.txt"
 
-# --- GPU tests -------------------------------------------------------------------------------
-(cd "$build" && ctest -L gpu --output-on-failure --timeout 300) >"$out/gpu_tests.log" 2>&1 \
-  || status=1
-log "gpu tests: $(grep -E 'tests passed|tests failed' "$out/gpu_tests.log")"
-
-# --- sanitizers: the in-process gpu tests once under memcheck and once under racecheck ---------
-if command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.*:DecisionCoreCuda.*:NcclComm.*' \
-      >"$out/sanitizer_$tool.log" 2>&1 || status=1
-    log "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -1)"
-  done
-else
-  log "no compute-sanitizer on PATH: memcheck and racecheck skipped"
-fi
-
-# --- the check kernel's DRAM bandwidth, read by Nsight Compute ----------------------------------
-if command -v ncu >/dev/null; then
-  ncu --kernel-name regex:check --launch-count 3 \
-    --metrics dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
-    "$build/bin/lockstep" bench gradcheck --device cuda --sizes 1024 --dtypes fp32 bf16 \
-    --layouts few --min-seconds 0.05 >"$out/ncu_gradcheck.txt" 2>&1 || status=1
-  log "ncu: $(grep -E 'dram__throughput' "$out/ncu_gradcheck.txt" | head -2 | tr -s ' ' | tr '\n' ';')"
-else
-  log "no ncu on PATH: DRAM bandwidth not read"
-fi
-
-# --- benchmarks ------------------------------------------------------------------------------
-"$build/bin/lockstep" bench gradcheck --device cuda --sizes 1 16 256 1024 4096 \
-  --min-seconds 0.3 >"$out/bench_gradcheck.txt" 2>&1 || status=1
-cat "$out/bench_gradcheck.txt"
-"$build/bin/lockstep" bench gradcheck --device cuda --sizes 1024 4096 --json --min-seconds 0.3 \
-  >"$out/bench_gradcheck.jsonl" 2>&1 || status=1
+# --- GPU tests: each in its own process (as ctest runs them), three at a time ------------------
+tests=$("$build/bin/lockstep_gpu_tests" --gtest_list_tests | awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}')
+mkdir -p "$out/tests"
+one_test() {  # NAME: PASS / FAIL / SKIP, its log in tests/NAME.log
+  local name="$1" rc
+  timeout -k 5 150 "$build/bin/lockstep_gpu_tests" --gtest_filter="$name" >"$out/tests/$name.log" 2>&1
+  rc=$?
+  if ((rc != 0)); then echo "FAIL $name (exit $rc)"
+  elif grep -q '\[  SKIPPED \]' "$out/tests/$name.log"; then echo "SKIP $name"
+  else echo "PASS $name"; fi
+}
+export -f one_test
+export build out
+capped 300 xargs -P 3 -I{} bash -c 'one_test {}' <<<"$tests" >"$out/gpu_tests.txt" 2>&1
+sort -o "$out/gpu_tests.txt" "$out/gpu_tests.txt"
+grep -q '^FAIL' "$out/gpu_tests.txt" && status=1
+log "gpu tests: $(grep -c '^PASS' "$out/gpu_tests.txt") passed, $(grep -c '^FAIL' "$out/gpu_tests.txt") failed, $(grep -c '^SKIP' "$out/gpu_tests.txt") skipped of $(wc -w <<<"$tests")"
+grep -v '^PASS' "$out/gpu_tests.txt" | tee -a "$out/summary.txt"
 
 # --- the training loop on the GPU ---------------------------------------------------------
-"$build/bin/lockstep" train --training.device cuda --job.dump_folder "$build/run-gpu" \
+capped 90 "$build/bin/lockstep" train --training.device cuda --job.dump_folder "$build/run-gpu" \
   --checkpoint.load_step 0 --training.steps 200 --metrics.log_freq 50 >"$out/train_gpu.log" 2>&1 \
   || status=1
 tail -3 "$out/train_gpu.log" | tee -a "$out/summary.txt"
 
-# --- host syncs per step and the skip machinery's cost on the GPU ----------------------------
-# c10's sync debug mode warns at every synchronizing CUDA operation; the warnings of a 30-step
-# run minus those of a 10-step run, over 20, are the syncs of one clean, non-log step.
-sync_warnings() {  # STEPS ARGS...: the sync warnings of one run
-  local steps="$1"
-  shift
+# --- host syncs per step, and where they are --------------------------------------------------
+# LOCKSTEP_CUDA_SYNC_DEBUG=warn prints every synchronizing CUDA operation of a step (from the
+# third step of a process on) with its stack: the prints of a 30-step run minus those of a
+# 10-step run, over 20, are the syncs of one clean step; the stacks of the 30-step run, grouped,
+# say where they are.
+sync_run() {  # LOG STEPS ARGS...: one watched run's output into LOG
+  local file="$1" steps="$2"
+  shift 2
   rm -rf "$build/run-sync"
-  LOCKSTEP_CUDA_SYNC_DEBUG=warn "$build/bin/lockstep" train --training.device cuda \
+  capped 60 env LOCKSTEP_CUDA_SYNC_DEBUG=warn "$build/bin/lockstep" train --training.device cuda \
     --job.dump_folder "$build/run-sync" --checkpoint.enable false --metrics.log_freq 1000 \
-    --training.steps "$steps" "$@" 2>&1 | grep -c "synchronizing CUDA operation"
+    --training.steps "$steps" "$@" >"$file" 2>&1
 }
-for side in "--skip.enabled false" "--skip.enabled true" "--skip.enabled true --diagnostics.local_check false"; do
+for side in "--skip.enabled false" "--skip.enabled true" \
+    "--skip.enabled true --training.mixed_precision_param bfloat16"; do
   # shellcheck disable=SC2086
-  a=$(sync_warnings 10 $side) b=$(sync_warnings 30 $side)
-  log "host syncs per clean step ($side): $(python3 -c "print(($b - $a) / 20)") (warnings: 10 steps $a, 30 steps $b)"
+  sync_run "$out/sync_10.log" 10 $side
+  # shellcheck disable=SC2086
+  sync_run "$out/sync_30.log" 30 $side
+  a=$(grep -c "synchronizing CUDA operation" "$out/sync_10.log")
+  b=$(grep -c "synchronizing CUDA operation" "$out/sync_30.log")
+  log "host syncs per clean step ($side): $(python3 -c "print(($b - $a) / 20)") (10 steps $a, 30 steps $b)"
+  python3 - "$out/sync_30.log" "$side" <<'PY' >>"$out/sync_sites.txt"
+import collections, re, sys
+text, side = open(sys.argv[1]).read(), sys.argv[2]
+sites = collections.Counter()
+for block in text.split("lockstep: host sync: called a synchronizing CUDA operation")[1:]:
+    frames = [l.strip() for l in block.strip().splitlines()[:32] if "lockstep" in l]
+    sites[" <- ".join(re.sub(r"\s*\+\s*0x[0-9a-f]+.*$", "", f) for f in frames[:4]) or "?"] += 1
+plain = text.count("synchronizing CUDA operation") - sum(sites.values())
+print(f"== {side}: 30 steps (28 watched)")
+for site, n in sites.most_common():
+    print(f"{n:5d}  {site}")
+if plain:
+    print(f"{plain:5d}  (on another thread: no stack)")
+PY
 done
+cat "$out/sync_sites.txt"
+
+# --- the check kernel's DRAM bandwidth, read by Nsight Compute ----------------------------------
+if command -v ncu >/dev/null; then
+  capped 90 ncu --kernel-name regex:check --launch-count 3 \
+    --metrics dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum \
+    "$build/bin/lockstep" bench gradcheck --device cuda --sizes 1024 --dtypes fp32 bf16 \
+    --layouts few --min-seconds 0.05 >"$out/ncu_gradcheck.txt" 2>&1 || status=1
+  log "ncu: $(grep -E 'dram__throughput|gpu__time_duration' "$out/ncu_gradcheck.txt" | head -4 | tr -s ' ' | tr '\n' ';')"
+else
+  log "no ncu on PATH: DRAM bandwidth not read"
+fi
+
+# --- the check's benchmark ----------------------------------------------------------------------
+capped 100 "$build/bin/lockstep" bench gradcheck --device cuda --sizes 1 16 256 1024 4096 \
+  --min-seconds 0.2 >"$out/bench_gradcheck.txt" 2>&1 || status=1
+cat "$out/bench_gradcheck.txt"
+
+# --- the skip machinery's cost on the GPU -------------------------------------------------------
 skip_cost() {  # ARGS...: ms/step of 300 steps (the metrics' last record)
   rm -rf "$build/run-skip"
-  "$build/bin/lockstep" train --training.device cuda --job.dump_folder "$build/run-skip" \
-    --checkpoint.enable false --training.steps 300 --metrics.log_freq 300 "$@" >/dev/null 2>&1 || return 1
+  capped 40 "$build/bin/lockstep" train --training.device cuda --job.dump_folder "$build/run-skip" \
+    --checkpoint.enable false --training.steps 300 --metrics.log_freq 300 "$@" >/dev/null 2>&1 \
+    || { echo nan; return; }
   python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1])["ms_per_step"])' \
     "$build/run-skip/metrics.jsonl"
 }
@@ -124,6 +165,17 @@ off1=$(skip_cost --skip.enabled false) on1=$(skip_cost --skip.enabled true)
 off2=$(skip_cost --skip.enabled false) on2=$(skip_cost --skip.enabled true)
 log "skip machinery on vs off (default model, 300 steps, two interleaved rounds): off $off1 / $off2 ms, on $on1 / $on2 ms, ratio $(python3 -c "print(round(($on1 + $on2) / ($off1 + $off2), 3))")"
 
+# --- sanitizers: the in-process gpu tests once under memcheck and once under racecheck ---------
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    capped 75 compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.*:DecisionCoreCuda.*' \
+      >"$out/sanitizer_$tool.log" 2>&1 || status=1
+    log "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$out/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"
+  done
+else
+  log "no compute-sanitizer on PATH: memcheck and racecheck skipped"
+fi
 # --- a larger GPT in bf16 and fp32 (TF32), and a 0.8 B Llama in bf16: tokens/s and MFU ----------
 # (the trainer's MFU: torchtitan's FLOPs per token against the known peak of this GPU)
 gpt_model=(--model.dim 1024 --model.n_layers 12 --model.n_heads 16 --model.max_seq_len 1024
@@ -145,14 +197,15 @@ print(f"{name}: {params.group(1) if params else '?'} parameters, "
 PY
 }
 for precision in bfloat16 float32; do
-  "$build/bin/lockstep" train --training.device cuda --training.mixed_precision_param "$precision" \
-    "${gpt_model[@]}" --job.dump_folder "$build/run-gpu-$precision" >"$out/train_gpu_$precision.log" 2>&1 \
-    || status=1
+  capped 60 "$build/bin/lockstep" train --training.device cuda \
+    --training.mixed_precision_param "$precision" "${gpt_model[@]}" \
+    --job.dump_folder "$build/run-gpu-$precision" >"$out/train_gpu_$precision.log" 2>&1 || status=1
   throughput "GPT seq 1024 batch 8 $precision" "$out/train_gpu_$precision.log"
 done
-"$build/bin/lockstep" train --training.device cuda --training.mixed_precision_param bfloat16 \
+capped 60 "$build/bin/lockstep" train --training.device cuda --training.mixed_precision_param bfloat16 \
   "${llama_model[@]}" --job.dump_folder "$build/run-gpu-llama" >"$out/train_gpu_llama.log" 2>&1 \
   || status=1
 throughput "Llama seq 2048 batch 4 bfloat16" "$out/train_gpu_llama.log"
+
 log "done, status $status"
 exit $status

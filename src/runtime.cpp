@@ -14,6 +14,10 @@
 
 #ifdef LOCKSTEP_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Backtrace.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
 
 #include <cstdlib>
 #include <string>
@@ -42,20 +46,67 @@ c10::Device resolve_device(DeviceKind kind, int local_rank) {
   const auto gpus = static_cast<int>(at::getNumGPUs());
   const c10::Device d(c10::kCUDA, static_cast<c10::DeviceIndex>(local_rank % std::max(1, gpus)));
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(d);  // kernels launch on it
-  set_sync_debug_mode();
+  check_sync_debug_mode();
   return d;
 }
 
-void set_sync_debug_mode() {
 #ifdef LOCKSTEP_WITH_CUDA
-  const char* env = std::getenv("LOCKSTEP_CUDA_SYNC_DEBUG");
-  const std::string mode = env ? env : "";
-  if (mode.empty()) return;
-  if (mode != "warn" && mode != "error")
-    throw ConfigError("invalid value for LOCKSTEP_CUDA_SYNC_DEBUG: \"" + mode +
-                      "\"; expected warn or error (or unset)");
-  c10::cuda::warning_state().set_sync_debug_mode(mode == "warn" ? c10::cuda::SyncDebugMode::L_WARN
-                                                                : c10::cuda::SyncDebugMode::L_ERROR);
+namespace {
+
+c10::cuda::SyncDebugMode sync_debug_mode() {
+  static const c10::cuda::SyncDebugMode mode = [] {
+    const char* env = std::getenv("LOCKSTEP_CUDA_SYNC_DEBUG");
+    const std::string m = env ? env : "";
+    if (m.empty()) return c10::cuda::SyncDebugMode::L_DISABLED;
+    if (m != "warn" && m != "error")
+      throw ConfigError("invalid value for LOCKSTEP_CUDA_SYNC_DEBUG: \"" + m +
+                        "\"; expected warn or error (or unset)");
+    return m == "warn" ? c10::cuda::SyncDebugMode::L_WARN : c10::cuda::SyncDebugMode::L_ERROR;
+  }();
+  return mode;
+}
+
+// Prints each sync warning once, on one line, followed by the stack that made it; other warnings
+// go on to the handler that was there before.
+class SyncWarnings : public c10::WarningHandler {
+ public:
+  explicit SyncWarnings(c10::WarningHandler* next) : next_(next) {}
+  void process(const c10::Warning& w) override {
+    if (w.msg().find("synchronizing CUDA operation") == std::string::npos) return next_->process(w);
+    const std::string stack = c10::get_backtrace(/*frames_to_skip=*/1, /*frames=*/32);
+    std::fprintf(stderr, "lockstep: host sync: called a synchronizing CUDA operation\n%s\n",
+                 stack.c_str());
+  }
+
+ private:
+  c10::WarningHandler* next_;
+};
+
+}  // namespace
+#endif
+
+void check_sync_debug_mode() {
+#ifdef LOCKSTEP_WITH_CUDA
+  sync_debug_mode();
+#endif
+}
+
+SyncWatch::SyncWatch(bool watch) {
+#ifdef LOCKSTEP_WITH_CUDA
+  const c10::cuda::SyncDebugMode mode = sync_debug_mode();
+  if (!watch || mode == c10::cuda::SyncDebugMode::L_DISABLED) return;
+  static SyncWarnings handler(c10::WarningUtils::get_warning_handler());
+  c10::WarningUtils::set_warning_handler(&handler);  // this thread's (the step's) warnings
+  c10::cuda::warning_state().set_sync_debug_mode(mode);
+  on_ = true;
+#else
+  (void)watch;
+#endif
+}
+
+SyncWatch::~SyncWatch() {
+#ifdef LOCKSTEP_WITH_CUDA
+  if (on_) c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
 #endif
 }
 

@@ -17,10 +17,25 @@ namespace lockstep {
 // for but missing.
 c10::Device resolve_device(DeviceKind kind, int local_rank = 0);
 
-// LOCKSTEP_CUDA_SYNC_DEBUG = warn | error: c10's CUDA sync debug mode (every synchronizing CUDA
-// operation warns, or throws), to count or forbid host syncs in a GPU run. Unset: off.
-// resolve_device calls it for a CUDA device; without CUDA it does nothing.
-void set_sync_debug_mode();
+// LOCKSTEP_CUDA_SYNC_DEBUG = warn | error: c10's CUDA sync debug mode, to count or forbid the
+// host syncs of a GPU step. A SyncWatch switches it on for its lifetime (the trainer holds one
+// around each step after the first two of a process, so setup, warm-up, checkpoints and progress
+// lines are not watched); warn prints each sync with the call stack that made it (names need an
+// executable linked with -rdynamic), error throws at the first. Unset: off; without CUDA, nothing.
+class SyncWatch {
+ public:
+  explicit SyncWatch(bool watch);
+  ~SyncWatch();
+  SyncWatch(const SyncWatch&) = delete;
+  SyncWatch& operator=(const SyncWatch&) = delete;
+
+ private:
+  bool on_ = false;
+};
+
+// Reads LOCKSTEP_CUDA_SYNC_DEBUG; throws ConfigError on a value other than warn, error or unset.
+// resolve_device calls it for a CUDA device.
+void check_sync_debug_mode();
 
 // "cpu", or the GPU's name ("NVIDIA H200").
 std::string device_name(c10::Device device);

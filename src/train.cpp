@@ -172,14 +172,21 @@ void validate(Job& job, Progress& progress) {
   progress.validation_done(job.state.step, v.loss, v.perplexity, v.samples, v.seconds);
 }
 
+// One step, its host syncs watched from the third step of this process on (SyncWatch).
+StepResult watched_step(Job& job, int64_t first_step, double lr) {
+  const SyncWatch watch(job.state.step >= first_step + 2);
+  return step(job, job.state.step + 1, lr);
+}
+
 // The loop: step, progress, validate, verify, save, stop.
 void run(Job& job, Progress& progress, TrainResult& result) {
   const Config& c = job.config;
   const StopSignals signals;
   int64_t last_verified = job.state.step;  // the last step all ranks were seen to agree
+  const int64_t first_step = job.state.step;
   while (job.state.step < c.training.steps) {
     const double lr = next_lr(job.schedule, job.state.step, job.state.optimizer_steps);
-    const StepResult r = step(job, job.state.step + 1, lr);
+    const StepResult r = watched_step(job, first_step, lr);
     result.losses.push_back(r.verdict.loss);
     progress.step_done(job.state, r.verdict, *job.detector, lr, r.clip, r.costs);
     if (job.validator && job.validator->due(job.state.step)) validate(job, progress);

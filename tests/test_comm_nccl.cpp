@@ -14,6 +14,18 @@ using namespace lockstep;
 
 namespace {
 
+// The GPUs the lockstep binary sees, asked of a child process: the tests that drive the binary
+// keep CUDA out of this process, which starts the runs (on the lent H200 machine, a test process
+// that had initialised CUDA could not start one: popen failed).
+int binary_gpus() {
+  static const int gpus = [] {
+    const auto r = test::capture(std::string(LOCKSTEP_BIN) + " version");
+    std::smatch m;
+    return std::regex_search(r.out, m, std::regex(R"((\d+) device\(s\))")) ? std::stoi(m[1]) : 0;
+  }();
+  return gpus;
+}
+
 std::string train_args(const std::string& dir, const std::string& extra) {
   return "train --job.dump_folder " + dir +
          " --training.device cuda --training.steps 12 --model.dim 64 --model.n_heads 2"
@@ -66,7 +78,7 @@ TEST(NcclComm, CollectivesGiveExactValuesOnOneGpu) {
 }
 
 TEST(GpuTraining, OneRankOnOneGpu) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  if (binary_gpus() < 1) GTEST_SKIP() << "no CUDA device visible";
   test::TempDir dir;
   auto r = test::capture(std::string(LOCKSTEP_BIN) + " " + train_args(dir / "run", ""));
   ASSERT_EQ(r.code, 0) << r.out;
@@ -77,7 +89,7 @@ TEST(GpuTraining, OneRankOnOneGpu) {
 // The Llama model on a GPU in bf16 with validation; MFU shown for a GPU of the peak table; the
 // checkpoint exports and samples on the CPU.
 TEST(GpuTraining, LlamaInBf16WithValidationAndMfu) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  if (binary_gpus() < 1) GTEST_SKIP() << "no CUDA device visible";
   test::TempDir dir;
   auto r = test::capture(std::string(LOCKSTEP_BIN) + " " +
                          train_args(dir / "run", "--model.name llama --model.n_kv_heads 1 "
@@ -96,8 +108,42 @@ TEST(GpuTraining, LlamaInBf16WithValidationAndMfu) {
   EXPECT_EQ(g.code, 0) << g.out;
 }
 
+// A NaN gradient on the GPU is skipped; three in a row trip skip.max_consecutive = 2, and the
+// job aborts (exit 4) naming the guard.
+TEST(GpuTraining, SkipAndAbortOnOneGpu) {
+  if (binary_gpus() < 1) GTEST_SKIP() << "no CUDA device visible";
+  test::TempDir dir;
+  auto s = test::capture(std::string(LOCKSTEP_BIN) + " " +
+                         train_args(dir / "skip", "--fault.inject 'nan_grad@5:0'"));
+  ASSERT_EQ(s.code, 0) << s.out;
+  const auto m = test::read_jsonl(dir / "skip/metrics.jsonl");
+  EXPECT_EQ(m.back()["skipped_steps"], 1);
+  EXPECT_EQ(m.back()["step"], 12);
+  auto a = test::capture(std::string(LOCKSTEP_BIN) + " " +
+                         train_args(dir / "abort", "--skip.max_consecutive 2 --fault.inject "
+                                                   "'nan_grad@5:0, nan_grad@6:0, nan_grad@7:0'"));
+  EXPECT_EQ(a.code, 4) << a.out;
+  EXPECT_NE(a.out.find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos) << a.out;
+}
+
+// c10's sync debug mode set to error around every step after the first two (SyncWatch): a host
+// sync in any of 50 clean, non-log steps of real training fails the run. fp32 and bf16.
+TEST(GpuTraining, CleanStepsDoNotSyncTheHost) {
+  if (binary_gpus() < 1) GTEST_SKIP() << "no CUDA device visible";
+  for (const char* precision : {"float32", "bfloat16"}) {
+    SCOPED_TRACE(precision);
+    test::TempDir dir;
+    auto r = test::capture(
+        "LOCKSTEP_CUDA_SYNC_DEBUG=error TORCH_SHOW_CPP_STACKTRACES=1 " + std::string(LOCKSTEP_BIN) +
+        " train --training.device cuda --training.steps 52 --metrics.log_freq 1000 "
+        "--checkpoint.enable false --skip.enabled true --training.mixed_precision_param " +
+        precision + " --job.dump_folder " + dir / "run");
+    EXPECT_EQ(r.code, 0) << r.out;
+  }
+}
+
 TEST(GpuTraining, TwoRanksSharingOneGpuOverGloo) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  if (binary_gpus() < 1) GTEST_SKIP() << "no CUDA device visible";
   for (const char* mode : {"ddp", "sharded"}) {
     SCOPED_TRACE(mode);
     test::TempDir dir;
@@ -112,7 +158,7 @@ TEST(GpuTraining, TwoRanksSharingOneGpuOverGloo) {
 }
 
 TEST(GpuTraining, TwoRanksOverNcclOnTwoGpus) {
-  if (!at::hasCUDA() || at::getNumGPUs() < 2) GTEST_SKIP() << "needs two GPUs";
+  if (binary_gpus() < 2) GTEST_SKIP() << "needs two GPUs";
   for (const char* mode : {"ddp", "sharded"}) {
     SCOPED_TRACE(mode);
     test::TempDir dir;

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 #include <vector>
 
@@ -55,6 +57,7 @@ struct CliRun {
 // Runs a shell command; returns its exit code and stdout + stderr.
 inline CliRun capture(const std::string& cmd) {
   FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {127, "popen failed: " + std::string(std::strerror(errno)) + ": " + cmd};
   std::string out;
   char buf[4096];
   size_t n;

@@ -19,6 +19,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -81,7 +82,8 @@ struct Method {
 // Seconds per call for each method: a warm-up call each, then `rounds` rounds in which the
 // methods take turns (so drift on a shared machine hits all alike), each round repeating a
 // method until min_seconds / rounds have passed. The best round counts, as in
-// bandwidth benchmarks: it is the one least disturbed by the rest of the machine.
+// bandwidth benchmarks: it is the one least disturbed by the rest of the machine. A method
+// without a function (one that does not apply to the dtype) is not timed: NaN.
 void time_methods(std::vector<Method>& methods, double min_seconds, bool cuda) {
   auto sync = [&] {
 #ifdef LOCKSTEP_WITH_CUDA
@@ -89,10 +91,14 @@ void time_methods(std::vector<Method>& methods, double min_seconds, bool cuda) {
 #endif
   };
   constexpr int kRounds = 5;
-  for (auto& m : methods) m.fn();
+  for (auto& m : methods) {
+    if (m.fn) m.fn();
+    else m.best = std::numeric_limits<double>::quiet_NaN();
+  }
   sync();
   for (int r = 0; r < kRounds; ++r)
     for (auto& m : methods) {
+      if (!m.fn) continue;
       int calls = 0;
       const auto start = Clock::now();
       double elapsed = 0;
@@ -159,8 +165,8 @@ struct Case {
 
   Case(Data data) : d(std::move(data)), grads(tensors_of(d)), check(d.grads) {}
 
-  // fused, G1, G2, G3, G5_sum, then G4 (CUDA: the AMP unscale check, then G1) or memcpy of the
-  // same bytes (CPU: read + write).
+  // fused, G1, G2, G3, G5_sum, then G4 (CUDA: the AMP unscale check, then G1; fp32 and fp16
+  // only, the dtypes AMP's kernel takes) or memcpy of the same bytes (CPU: read + write).
   std::vector<Method> methods(bool cuda) {
     std::vector<Method> m = {{"fused", [this] { stats = check.run(); }},
                              {"G1", [this] { g1(grads); }},
@@ -170,10 +176,13 @@ struct Case {
     if (cuda) {
       found_inf = at::zeros({1}, d.flat.options().dtype(at::kFloat));
       inv_scale = at::ones({1}, d.flat.options().dtype(at::kFloat));
-      m.push_back({"G4", [this] {
-                     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
-                     g1(grads);
-                   }});
+      const bool amp = d.flat.scalar_type() == at::kFloat || d.flat.scalar_type() == at::kHalf;
+      m.push_back({"G4", nullptr});
+      if (amp)
+        m.back().fn = [this] {
+          at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+          g1(grads);
+        };
     } else {
       dst = at::empty_like(d.flat);
       m.push_back({"memcpy", [this] { parallel_memcpy(dst.data_ptr(), d.flat.data_ptr(), d.bytes); }});
