@@ -1,11 +1,13 @@
 #include "fsutil.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <fmt/core.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -111,9 +113,18 @@ bool exists(const std::string& path) {
   return std::filesystem::exists(path, ec);
 }
 
+// POSIX nftw, depth first, links not followed. Not std::filesystem::remove_all: the torch wheels
+// carry their own copy of the std::filesystem functions (exported by libtorch_cpu.so, so every
+// call binds to it), and torch 2.11's remove_all called a null pointer on the lent H200 machine
+// as soon as the folder had contents.
 void remove_all(const std::string& path) {
-  std::error_code ec;
-  std::filesystem::remove_all(path, ec);
+  ::nftw(
+      path.c_str(),
+      [](const char* p, const struct stat*, int, struct FTW*) {
+        ::remove(p);  // errors ignored, as the contract says; the walk goes on
+        return 0;
+      },
+      16, FTW_DEPTH | FTW_PHYS);
 }
 
 }  // namespace lockstep::fs

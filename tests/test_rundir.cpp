@@ -108,3 +108,20 @@ TEST(RunFolder, AResumeThatChangesTheDataOrderIsRefused) {
             std::string::npos)
       << r.out;
 }
+
+// fs::remove_all (rm -rf, used for superseded checkpoints and temporary folders): a nested tree
+// goes, a link inside it goes without what it points to, a missing path is no error.
+TEST(RunFolder, RemoveAllTakesTheTreeAndLeavesLinkTargets) {
+  test::TempDir dir;
+  const std::string tree = dir / "tree", outside = dir / "outside";
+  fs::make_dirs(tree + "/a/b");
+  fs::make_dirs(outside);
+  test::write_bytes(tree + "/a/b/file", "x");
+  test::write_bytes(outside + "/kept", "y");
+  std::filesystem::create_directory_symlink(outside, tree + "/a/link");
+  fs::remove_all(tree);
+  EXPECT_FALSE(fs::exists(tree));
+  EXPECT_EQ(test::read_text(outside + "/kept"), "y");
+  fs::remove_all(tree);  // already gone
+  EXPECT_FALSE(fs::exists(tree));
+}

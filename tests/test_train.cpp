@@ -72,7 +72,7 @@ TEST(Train, ResumeReproducesTheUninterruptedRunBitwise) {
   TrainResult first = train(small_job(resumed_dir.path(), dropout));
   EXPECT_EQ(first.losses, straight.losses);  // same seed, same bits
   // Pretend the run died after step 6: drop the step-12 checkpoint and run again.
-  std::filesystem::remove_all(resumed_dir / "checkpoint/step-12");
+  lockstep::fs::remove_all(resumed_dir / "checkpoint/step-12");
   TrainResult resumed = train(small_job(resumed_dir.path(), dropout));
   EXPECT_EQ(resumed.start_step, 6);
   ASSERT_EQ(resumed.losses.size(), 6u);

@@ -25,6 +25,8 @@
 #include <string>
 #include <string_view>
 
+#include "fsutil.h"
+
 namespace lockstep::test {
 
 // A fresh, empty directory under the system temp dir, removed when the object dies.
@@ -34,10 +36,7 @@ class TempDir {
     std::string tmpl = (std::filesystem::temp_directory_path() / "lockstep-test-XXXXXX").string();
     path_ = ::mkdtemp(tmpl.data());
   }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
+  ~TempDir() { lockstep::fs::remove_all(path_); }
   const std::string& path() const { return path_; }
   std::string operator/(std::string_view name) const { return path_ + "/" + std::string(name); }
 

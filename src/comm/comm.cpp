@@ -10,8 +10,13 @@ at::Tensor all_gather_rows(Comm* comm, const at::Tensor& row) {
   if (!comm || comm->size() == 1) return row.reshape({1, -1}).cpu();
   const c10::Device device = comm->device();
   at::Tensor out = at::empty({comm->size(), row.numel()}, row.options().device(device));
-  // A host row goes up to a GPU asynchronously when it is pinned (all_gather_values' is).
-  comm->all_gather(row.device() == device ? row : row.to(device, /*non_blocking=*/true), out);
+  // A pinned host row goes up to a GPU asynchronously (all_gather_values' is: the copy is
+  // ordered before the collective on the stream). A GPU row for a host backend (Gloo on a GPU
+  // run) comes down with a blocking copy: Gloo reads host memory at once, and an asynchronous
+  // copy into pinned memory may not have landed by then (on the lent H200, two ranks over Gloo
+  // saw a NaN gradient named a step late).
+  const bool up = row.is_cpu() && !device.is_cpu();
+  comm->all_gather(row.device() == device ? row : row.to(device, /*non_blocking=*/up), out);
   return out.cpu();
 }
 
