@@ -49,6 +49,7 @@ LOCKSTEP_CHOICES(OnGlobalSpike, "clip", "skip", "abort")
 LOCKSTEP_CHOICES(SkipScope, "step", "rank")
 LOCKSTEP_CHOICES(Replay, "off", "self", "peer")
 LOCKSTEP_CHOICES(OnHardwareFault, "warn", "abort")
+LOCKSTEP_CHOICES(DeviceDecisionMode, "auto", "on", "off")
 #undef LOCKSTEP_CHOICES
 
 namespace {
@@ -428,6 +429,12 @@ void skip_fields(std::vector<Field>& t) {
   t.push_back(bool_field("skip", "reset_guards_on_resume", &C::skip, &S::reset_guards_on_resume,
                          "on resume, start the guards' skip counters at 0 (to go past a "
                          "guard's abort; the windows are kept)"));
+  t.push_back(choice_field("skip", "device_decision", &C::skip, &S::device_decision,
+                           "decide each step on the device and read the verdict a step later "
+                           "(no host sync on a clean step): auto = on GPUs when the settings "
+                           "allow it (on_global_spike = \"skip\", scope = \"step\", no replay, "
+                           "lr on_skip = \"advance\", no dynamic loss scale); on (also on CPUs); "
+                           "off"));
 }
 
 void diagnostics_and_fault_fields(std::vector<Field>& t) {
@@ -777,8 +784,19 @@ void validate_overlap(const Config& c) {
         why));
 }
 
+void validate_device_decision(const Config& c) {
+  if (c.skip.device_decision != DeviceDecisionMode::kOn) return;
+  const std::string blocker = device_decision_blocker(c);
+  if (!blocker.empty())
+    throw ConfigError(fmt::format(
+        "invalid value for 'skip.device_decision': \"on\", but {} has no device form; set "
+        "skip.device_decision = \"auto\" (the host decides then) or change that setting",
+        blocker));
+}
+
 void validate_cross(const Config& c) {
   loss_scale_setting(c.training);
+  validate_device_decision(c);
   if (c.model.dim % c.model.n_heads != 0)
     throw ConfigError(fmt::format(
         "invalid value for 'model.n_heads': {} does not divide model.dim = {}; choose n_heads "
@@ -871,6 +889,22 @@ Config load_config(std::string_view toml_text, const std::string& origin,
   }
   validate_cross(c);
   return c;
+}
+
+std::string device_decision_blocker(const Config& c) {
+  if (c.skip.on_global_spike != OnGlobalSpike::kSkip)
+    return fmt::format("skip.on_global_spike = \"{}\"", name_of(c.skip.on_global_spike));
+  if (c.skip.scope != SkipScope::kStep)
+    return fmt::format("skip.scope = \"{}\"", name_of(c.skip.scope));
+  if (c.skip.replay != Replay::kOff)
+    return fmt::format("skip.replay = \"{}\"", name_of(c.skip.replay));
+  if (c.diagnostics.replay_every > 0)
+    return fmt::format("diagnostics.replay_every = {}", c.diagnostics.replay_every);
+  if (c.lr_scheduler.on_skip != OnSkip::kAdvance)
+    return fmt::format("lr_scheduler.on_skip = \"{}\"", name_of(c.lr_scheduler.on_skip));
+  if (loss_scale_setting(c.training).mode == LossScaleMode::kDynamic)
+    return "training.loss_scale = \"dynamic\"";
+  return "";
 }
 
 LossScaleSetting loss_scale_setting(const TrainingConfig& t) {

@@ -105,6 +105,12 @@ void log_setup(const Job& j) {
               c.skip.max_grad_norm, c.skip.grad_norm_zscore, c.skip.loss_zscore, c.skip.window,
               c.skip.min_history, c.skip.max_consecutive, c.skip.max_fraction,
               c.skip.fraction_window, name_of(c.lr_scheduler.on_skip));
+  if (decides_on_device(c, j.device))
+    log::info("decision: on {}, read by the host a step later (skip.device_decision)",
+              j.device.str());
+  else if (j.device.is_cuda() && !device_decision_blocker(c).empty())
+    log::info("decision: on the host, one sync per step ({} has no device form)",
+              device_decision_blocker(c));
   if (t.mixed_precision_param != Precision::kFloat32 ||
       t.mixed_precision_reduce != ReducePrecision::kFloat32)
     log::info("mixed precision: {} forward and backward, {} gradient reduction, fp32 master "

@@ -15,6 +15,7 @@
 #include "checkpoint/checkpointer.h"
 #include "comm/comm.h"
 #include "decide/detector.h"
+#include "decide/device_decision.h"
 #include "decide/loss_scale.h"
 #include "decide/triage.h"
 #include "diag/event.h"
@@ -51,6 +52,7 @@ struct Job {
   std::unique_ptr<SkipDetector> detector;    // the decision and its windows
   std::unique_ptr<LossScaler> scaler;        // fp16 loss scaling (scale 1 when off)
   std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
+  std::unique_ptr<DeviceDecision> decision;  // skip.device_decision; null: the host decides
   std::map<int, std::vector<int64_t>> suspects;  // ranks a replay or probe blamed, by step
   std::unique_ptr<Explainer> explainer;      // events of anomalous steps
   std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl

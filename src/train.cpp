@@ -8,20 +8,26 @@
 //   -> explain: only when anomalous (events, scope and cause, culprits, samples, parameters)
 //   -> apply: fused AdamW with found_inf (a skip) and grad_scale (the clip), counters
 //
+// With the decision on the device (skip.device_decision) the step splits in two: issue runs
+// the same data flow up to the update with the table and the decision left on the device (no
+// host sync on a clean step), and finish, a step later, reads the copied table, takes the same
+// decision on the host (explain, counters, progress) and checks the device agreed.
+//
 // job.cpp builds every component from the config; each component owns its algorithm.
 #include "lockstep/train.h"
 
 #include <fmt/format.h>
 
-#include <csignal>
+#include <optional>
 
 #include "clock.h"
 #include "compute.h"
+#include "decide/device_decision.h"
 #include "diag/metrics.h"
-#include "diag/verify.h"
 #include "job.h"
 #include "lockstep/error.h"
 #include "log.h"
+#include "outcome.h"
 #include "runtime.h"
 
 namespace lockstep {
@@ -36,81 +42,50 @@ TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
 }
 
 // The gradient sync (a rank the triage dropped contributes zeros), [B] the slice this rank
-// checks, then the one small collective: every rank holds every rank's stats, in rank order.
-std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
+// checks, and this rank's 64-byte row of stats, built on the device.
+at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
   const auto start = Clock::now();
   const bool dropped =
       std::find(t.dropped.begin(), t.dropped.end(), job.ranks.rank) != t.dropped.end();
   if (dropped) job.dp->zero_grad();
   // all-reduce (ddp) or reduce-scatter (sharded) of the flat buffer
   job.dp->sync_gradients(job.ranks.world_size - static_cast<int>(t.dropped.size()));
-  const auto synced = Clock::now();
-  s.costs.sync = std::chrono::duration<double>(synced - start).count();
+  s.costs.sync = seconds_since(start);
   s.shard_stats = job.shard_check->run().clone();  // [B]; its buffer is reused next step
   s.shard_read = false;
-  // This rank's row, built on the device; the table is the step's one read on the host.
-  const at::Tensor row = rank_row(s.local_stats, s.shard_stats, s.loss_t, s.sample_losses_t,
-                                  StopSignals::received() != 0);
+  return rank_row(s.local_stats, s.shard_stats, s.loss_t, s.sample_losses_t,
+                  StopSignals::received() != 0);
+}
+
+// Then the one small collective: every rank holds every rank's stats, in rank order (the
+// table is the host-decided step's one read on the host).
+std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
+  const at::Tensor row = sync_and_row(job, s, t);
+  const auto start = Clock::now();
   std::vector<RankStats> table = exchange_stats(row, job.comm.get());
-  s.costs.decision += seconds_since(synced);
+  s.costs.decision += seconds_since(start);
   return table;
 }
 
-// Every rank writes its event (its own view plus the agreed table). A skip is logged; an abort
-// keeps the last good state (the weights are still it) and stops every rank alike.
-void explain(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
-             double lr) {
-  read_to_host(s);
-  const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
-  const Event e =
-      job.explainer->event(job.state.step + 1, job.state, s, v, table, samples, *job.detector, lr);
-  job.events->write(to_json(e));
-  if (v.decision != Decision::kAbort) {
-    log::write(job.lead ? log::Level::kWarn : log::Level::kInfo, skip_message(e));
-    return;
-  }
-  log::flush();
-  std::string saved = "no checkpoint (checkpoint.enable = false)";
-  if (job.config.checkpoint.enable && job.state.step > 0)
-    saved = "last good state saved in " + save_checkpoint(job);
-  throw TrainingAborted(abort_message(e, saved, job.run_dir),
-                        v.guard == "skip.on_hardware_fault = abort" ? ExitCode::kHardwareFault
-                                                                    : ExitCode::kTrainingAborted);
+// The update (sharded: then the all-gather of the blocks); a skip reaches the fused AdamW as
+// found_inf = 1: parameters, moments and step counts stay bitwise as they were.
+void update(Job& job, double lr, const UpdateControl& control) {
+  job.dp->apply(lr, control);
+  job.dp->zero_grad();
+  job.faults->after_update(job.model->parameters());
 }
 
-// The update and the counters. A skip reaches the fused AdamW as found_inf = 1: parameters,
-// moments and step counts stay bitwise as they were. Clipping reuses the agreed norm, and the
-// loss scale is divided out in the same pass (grad_scale = scale / clip).
-double apply(Job& job, const Verdict& v, double lr) {
-  const bool skip = v.decision == Decision::kSkip;
-  const double max_norm = job.config.training.max_norm;  // a clip decision may lower it
+// The clip of a taken step: the agreed norm against training.max_norm (or a clip decision's
+// lower bound); the loss scale is divided out in the same pass (grad_scale = scale / clip).
+double clip_of(const Job& job, const Verdict& v) {
+  if (v.decision == Decision::kSkip) return 1.0;
+  const double max_norm = job.config.training.max_norm;
   const double limit = v.clip_to > 0 && (max_norm <= 0 || v.clip_to < max_norm) ? v.clip_to
                                                                                  : max_norm;
-  const double clip = skip ? 1.0 : clip_coefficient(v.grad_norm, limit);
-  job.dp->apply(lr, {skip, clip, v.loss_scale});  // sharded: then all-gather the blocks
-  job.dp->zero_grad();
-  job.detector->record(v);
-  job.scaler->record(v.overflow, !skip);  // the same verdict everywhere: the same scale
-  job.faults->after_update(job.model->parameters());
-  for (int r : v.hardware_suspects) job.suspects[r].push_back(job.state.step + 1);
-  TrainState& st = job.state;
-  st.step += 1;
-  st.optimizer_steps += skip ? 0 : 1;
-  st.skipped_steps += skip && !v.overflow ? 1 : 0;
-  st.overflow_skips += v.overflow ? 1 : 0;
-  count_outcome(st, v);
-  st.data_position = job.sampler->position();
-  st.tokens_seen += job.tokens_per_step;
-  return clip;
+  return clip_coefficient(v.grad_norm, limit);
 }
 
-struct StepResult {
-  Verdict verdict;
-  double clip = 1.0;
-  StepCosts costs;
-};
-
-// One step, 1-based `step`, at learning rate `lr`.
+// One step, 1-based `step`, at learning rate `lr`, decided on the host.
 StepResult step(Job& job, int64_t step, double lr) {
   RankStep s;
   s.fault = job.faults->begin_step(step);
@@ -124,58 +99,85 @@ StepResult step(Job& job, int64_t step, double lr) {
   const std::vector<RankStats> table = measure(job, s, triage);
   job.triager->probe(step, table, triage_input(job, s, step), replay, triage, s.costs);
   start = Clock::now();
-  StepResult r{job.detector->decide(table, *job.scaler, triage)};
+  StepResult r{job.detector->decide(table, *job.scaler, triage), lr};
   s.costs.decision += seconds_since(start);
   r.costs = s.costs;
   const Verdict& v = r.verdict;
-  if (v.overflow_runs > 0 && v.nonfinite == 0)
-    log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64", step,
-              v.grad_norm);
+  warn_overflow(step, v);
   if (v.anomalous()) explain(job, s, v, table, lr);
-  r.clip = apply(job, v, lr);
+  r.clip = clip_of(job, v);
+  update(job, lr, {v.decision == Decision::kSkip, r.clip, v.loss_scale});
+  advance(job, v, job.sampler->position());
   return r;
 }
 
-// Every rank saw the same stop request in the same all-gather: all stop after this step.
-[[noreturn]] void stop(Job& job, bool saved) {
-  if (!saved) save_checkpoint(job);  // nothing with checkpoint.enable = false
-  const int seen = StopSignals::received();
-  const int sig = seen ? seen : SIGTERM;  // asked by another rank
-  log::flush();
-  throw Error(static_cast<ExitCode>(128 + sig),
-              fmt::format("stopped by {} after step {} of {}{}; run the same command again to "
-                          "resume",
-                          sig == SIGINT ? "SIGINT" : "SIGTERM", job.state.step,
-                          job.config.training.steps,
-                          job.config.checkpoint.enable
-                              ? "; checkpoint saved in " + job.checkpointer->dir_of(job.state.step)
-                              : " (checkpoint.enable = false: nothing saved)"));
+// A step decided on the device, between its issue and its finish.
+struct Issued {
+  int64_t step = 0;
+  double lr = 0;
+  RankStep s;
+  int64_t data_position = 0;
+};
+
+// The step up to its update, decided on the device: nothing waits for the host.
+Issued issue(Job& job, int64_t step, double lr) {
+  Issued i{step, lr, {}, 0};
+  i.s.fault = job.faults->begin_step(step);
+  forward_backward(job, i.s, step);
+  const auto start = Clock::now();
+  check_local(job, i.s);  // [A]
+  i.s.costs.decision = seconds_since(start);
+  const at::Tensor row = sync_and_row(job, i.s, {});
+  const auto decided = Clock::now();
+  const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), row), step);
+  i.s.costs.decision += seconds_since(decided);
+  update(job, lr, UpdateControl::on_device(u.found_inf, u.grad_scale));
+  i.data_position = job.sampler->position();
+  return i;
 }
 
-// Verifies the replicas (diagnostics.verify_every); a desync stops the job naming the ranks.
-void verify(Job& job, int64_t& last_verified) {
-  const ReplicaVote vote = vote_replicas(job.model->parameters(),
-                                         job.dp->replicated_optimizer_state(), job.comm.get());
-  if (vote.diverged.empty()) {
-    last_verified = job.state.step;
-    return;
-  }
-  job.events->write(to_json(
-      desync_event(job.state.step, job.ranks.rank, job.faults->current(), vote, job.suspects)));
-  log::flush();
-  throw TrainingAborted(desync_message(job.state.step, last_verified, vote, job.suspects));
+// The issued step's verdict, a step later: the host takes the same decision from the copied
+// table (the device's windows are the host's, bit for bit) and checks the device agreed.
+StepResult finish(Job& job, Issued& i) {
+  const auto start = Clock::now();
+  const DeviceDecision::Late late = job.decision->read(i.step);
+  StepResult r{job.detector->decide(late.table, *job.scaler), i.lr};
+  i.s.costs.decision += seconds_since(start);
+  r.costs = i.s.costs;
+  const Verdict& v = r.verdict;
+  r.clip = clip_of(job, v);
+  expect_same_decision(i.step, v, r.clip, late);
+  warn_overflow(i.step, v);
+  if (v.anomalous()) explain(job, i.s, v, late.table, i.lr);
+  advance(job, v, i.data_position);
+  return r;
 }
 
-// The held-out loss (every rank evaluates its share).
-void validate(Job& job, Progress& progress) {
-  const ValidationResult v = job.validator->run(*job.model, job.comm.get());
-  progress.validation_done(job.state.step, v.loss, v.perplexity, v.samples, v.seconds);
-}
-
-// One step, its host syncs watched from the third step of this process on (SyncWatch).
+// One host-decided step, its host syncs watched from the third step of this process on.
 StepResult watched_step(Job& job, int64_t first_step, double lr) {
   const SyncWatch watch(job.state.step >= first_step + 2);
   return step(job, job.state.step + 1, lr);
+}
+
+// The device loop: step n is issued, then the step before it finished. A step whose state the
+// host needs before the next update (a log, checkpoint, validation or verify step, the last,
+// or the one after a stop request) is finished at once.
+void run_on_device(Job& job, Progress& progress, TrainResult& result, int64_t& last_verified) {
+  const Config& c = job.config;
+  const int64_t first = job.state.step;
+  std::optional<Issued> late;
+  bool stopping = false;
+  for (int64_t n = first + 1; n <= c.training.steps; ++n) {
+    const bool now = stopping || host_needs_step(job, n);
+    std::optional<SyncWatch> watch;
+    if (n >= first + 3 && !now) watch.emplace(true);
+    Issued issued = issue(job, n, next_lr(job.schedule, n - 1, 0));
+    if (late) stopping = after_step(job, progress, result, finish(job, *late), last_verified, false);
+    late.reset();
+    watch.reset();
+    if (now || stopping) after_step(job, progress, result, finish(job, issued), last_verified);
+    else late.emplace(std::move(issued));
+  }
 }
 
 // The loop: step, progress, validate, verify, save, stop.
@@ -183,46 +185,26 @@ void run(Job& job, Progress& progress, TrainResult& result) {
   const Config& c = job.config;
   const StopSignals signals;
   int64_t last_verified = job.state.step;  // the last step all ranks were seen to agree
+  if (job.decision) return run_on_device(job, progress, result, last_verified);
   const int64_t first_step = job.state.step;
   while (job.state.step < c.training.steps) {
     const double lr = next_lr(job.schedule, job.state.step, job.state.optimizer_steps);
-    const StepResult r = watched_step(job, first_step, lr);
-    result.losses.push_back(r.verdict.loss);
-    progress.step_done(job.state, r.verdict, *job.detector, lr, r.clip, r.costs);
-    if (job.validator && job.validator->due(job.state.step)) validate(job, progress);
-    const bool last = job.state.step == c.training.steps;
-    const int64_t every = c.diagnostics.verify_every;
-    if (job.comm && every > 0 && (job.state.step % every == 0 || last)) verify(job, last_verified);
-    const bool saved = c.checkpoint.enable && (job.state.step % c.checkpoint.interval == 0 || last);
-    if (saved) save_checkpoint(job);
-    if (r.verdict.stop && !last) stop(job, saved);
+    after_step(job, progress, result, watched_step(job, first_step, lr), last_verified);
   }
 }
 
 TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
+  if (decides_on_device(job.config, job.device))
+    job.decision = std::make_unique<DeviceDecision>(job.config, job.device, *job.detector,
+                                                    *job.scaler, job.state);
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
                      job.tokens_per_step, job.config.metrics.log_freq, job.scaler->enabled(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,
                      job.ranks.world_size});
   run(job, progress, result);
-  const double total = progress.elapsed();
-  const int64_t ran = job.state.step - result.start_step;
-  result.final_step = job.state.step;
-  result.optimizer_steps = job.state.optimizer_steps;
-  result.skipped_steps = job.state.skipped_steps;
-  result.tokens_per_second = ran > 0 ? static_cast<double>(ran * job.tokens_per_step) / total : 0;
-  if (ran > 0)
-    log::info("done: {} steps in {:.1f} s, {:.0f} tok/s, final loss {:.4f}, {} skipped, peak "
-              "resident memory {:.0f} MiB, parameters crc32 {}",
-              ran, total, result.tokens_per_second, result.losses.back(),
-              job.state.skipped_steps, peak_resident_mib(),
-              tensors_crc32(job.model->parameters()));
-  else
-    log::info("nothing to do: the run is already at step {} of {}", job.state.step,
-              job.config.training.steps);
-  log::flush();
+  finish_run(job, progress, result);
   return result;
 }
 

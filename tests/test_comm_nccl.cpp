@@ -122,7 +122,9 @@ TEST(GpuTraining, SkipAndAbortOnOneGpu) {
 }
 
 // c10's sync debug mode set to error around every step after the first two (SyncWatch): a host
-// sync in any of 50 clean, non-log steps of real training fails the run. fp32 and bf16.
+// sync in any of 50 clean, non-log steps of real training, decided on the device
+// (skip.on_global_spike = "skip": skip.device_decision "auto" takes it), fails the run. fp32
+// and bf16.
 TEST(GpuTraining, CleanStepsDoNotSyncTheHost) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   for (const char* precision : {"float32", "bfloat16"}) {
@@ -131,7 +133,8 @@ TEST(GpuTraining, CleanStepsDoNotSyncTheHost) {
     auto r = test::capture(
         "LOCKSTEP_CUDA_SYNC_DEBUG=error TORCH_SHOW_CPP_STACKTRACES=1 " + std::string(LOCKSTEP_BIN) +
         " train --training.device cuda --training.steps 52 --metrics.log_freq 1000 "
-        "--checkpoint.enable false --skip.enabled true --training.mixed_precision_param " +
+        "--checkpoint.enable false --skip.enabled true --skip.on_global_spike skip "
+        "--training.mixed_precision_param " +
         precision + " --job.dump_folder " + dir / "run");
     EXPECT_EQ(r.code, 0) << r.out;
   }

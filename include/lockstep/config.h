@@ -35,6 +35,7 @@ enum class OnGlobalSpike { kClip, kSkip, kAbort };  // most ranks elevated: the 
 enum class SkipScope { kStep, kRank };     // a local anomaly skips the step, or drops the rank
 enum class Replay { kOff, kSelf, kPeer };  // recompute a culprit's batch to tell data from faults
 enum class OnHardwareFault { kWarn, kAbort };
+enum class DeviceDecisionMode { kAuto, kOn, kOff };  // auto: on GPUs, where the config allows
 
 // The spelling of each value, in declaration order ("gpt", "auto", "cpu", ...).
 template <typename E>
@@ -56,6 +57,7 @@ template <> std::span<const std::string_view> choice_names<OnGlobalSpike>();
 template <> std::span<const std::string_view> choice_names<SkipScope>();
 template <> std::span<const std::string_view> choice_names<Replay>();
 template <> std::span<const std::string_view> choice_names<OnHardwareFault>();
+template <> std::span<const std::string_view> choice_names<DeviceDecisionMode>();
 template <typename E>
 std::string_view name_of(E e) {
   return choice_names<E>()[static_cast<size_t>(e)];
@@ -201,6 +203,8 @@ struct SkipConfig {
   Replay replay = Replay::kOff;
   OnHardwareFault on_hardware_fault = OnHardwareFault::kWarn;
   bool reset_guards_on_resume = false;  // resume past a guard's abort: its counters start at 0
+  // The decision on the device, read by the host a step later (src/decide/device_decision.h).
+  DeviceDecisionMode device_decision = DeviceDecisionMode::kAuto;
 };
 
 struct DiagnosticsConfig {
@@ -248,6 +252,10 @@ struct LossScaleSetting {
 };
 // Throws ConfigError naming training.loss_scale for anything else.
 LossScaleSetting loss_scale_setting(const TrainingConfig& training);
+
+// "" when the config's decisions have a device form (skip.device_decision); else the setting
+// that has none, as `skip.scope = "rank"`.
+std::string device_decision_blocker(const Config& c);
 
 // ---- reading and writing ----------------------------------------------------------------
 // One `--section.key value` pair from the command line.

@@ -7,7 +7,11 @@
 namespace lockstep {
 
 at::Tensor all_gather_rows(Comm* comm, const at::Tensor& row) {
-  if (!comm || comm->size() == 1) return row.reshape({1, -1}).cpu();
+  return gather_rows(comm, row).cpu();
+}
+
+at::Tensor gather_rows(Comm* comm, const at::Tensor& row) {
+  if (!comm || comm->size() == 1) return row.reshape({1, -1});
   const c10::Device device = comm->device();
   at::Tensor out = at::empty({comm->size(), row.numel()}, row.options().device(device));
   // A pinned host row goes up to a GPU asynchronously (all_gather_values' is: the copy is
@@ -17,7 +21,7 @@ at::Tensor all_gather_rows(Comm* comm, const at::Tensor& row) {
   // saw a NaN gradient named a step late).
   const bool up = row.is_cpu() && !device.is_cpu();
   comm->all_gather(row.device() == device ? row : row.to(device, /*non_blocking=*/up), out);
-  return out.cpu();
+  return out;
 }
 
 std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine) {

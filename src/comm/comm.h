@@ -122,6 +122,9 @@ class TimeoutScope {
 // on the host: one all-gather into one tensor on the comm's device (NCCL: no copy up when the
 // row is on the GPU already, one read back), not one copy per rank. A null comm is one rank.
 at::Tensor all_gather_rows(Comm* comm, const at::Tensor& row);
+// The same left where the collective put it (the comm's device; one rank: the row's), read by
+// nobody: the device decision decides on it there.
+at::Tensor gather_rows(Comm* comm, const at::Tensor& row);
 
 // The same for doubles held on the host (exact for integers below 2^53).
 std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine);

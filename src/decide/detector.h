@@ -88,6 +88,7 @@ class SkipDetector {
 
   int64_t consecutive_skips() const { return consecutive_; }
   int64_t history() const { return grad_norms_.size(); }
+  const std::deque<bool>& recent() const { return recent_; }  // true = skipped, oldest first
   const Window& grad_norms() const { return grad_norms_; }
   const Window& losses() const { return losses_; }
   const std::vector<Window>& rank_grad_norms() const { return rank_grad_norms_; }

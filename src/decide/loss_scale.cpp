@@ -15,19 +15,13 @@ LossScaler::LossScaler(const TrainingConfig& t)
       growth_interval_(t.loss_scale_growth_interval),
       max_overflows_(t.loss_scale_max_overflows) {}
 
-// The shared decision core's state and rule (kernels/decision.h): the device's too.
-namespace {
-kernels::LossScaleRule rule_of(LossScaleMode mode, double growth, double backoff,
-                               int64_t interval) {
-  return {mode != LossScaleMode::kNone, mode == LossScaleMode::kDynamic, growth, backoff,
-          interval};
+kernels::LossScaleRule LossScaler::rule() const {
+  return {mode_ != LossScaleMode::kNone, mode_ == LossScaleMode::kDynamic, growth_factor_,
+          backoff_factor_, growth_interval_};
 }
-}  // namespace
 
 std::string LossScaler::guard_on_overflow() const {
-  const kernels::LossScaleState s{scale_, growth_tracker_, consecutive_overflows_};
-  switch (kernels::scale_guard(
-      s, rule_of(mode_, growth_factor_, backoff_factor_, growth_interval_), max_overflows_, min_)) {
+  switch (kernels::scale_guard(core_state(), rule(), max_overflows_, min_)) {
     case kernels::kMaxOverflows:
       return fmt::format("training.loss_scale_max_overflows = {}: {} overflows in a row",
                          max_overflows_, consecutive_overflows_ + 1);
@@ -40,9 +34,8 @@ std::string LossScaler::guard_on_overflow() const {
 }
 
 void LossScaler::record(bool overflow, bool updated) {
-  kernels::LossScaleState s{scale_, growth_tracker_, consecutive_overflows_};
-  kernels::loss_scale_record(s, rule_of(mode_, growth_factor_, backoff_factor_, growth_interval_),
-                             overflow, updated);
+  kernels::LossScaleState s = core_state();
+  kernels::loss_scale_record(s, rule(), overflow, updated);
   scale_ = s.scale;
   growth_tracker_ = s.growth_tracker;
   consecutive_overflows_ = s.consecutive_overflows;

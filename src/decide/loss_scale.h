@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kernels/decision.h"
 #include "lockstep/config.h"
 
 namespace lockstep {
@@ -21,6 +22,12 @@ class LossScaler {
   bool enabled() const { return mode_ != LossScaleMode::kNone; }
   double scale() const { return scale_; }  // 1 when off
   int64_t consecutive_overflows() const { return consecutive_overflows_; }
+
+  // Its rule and state in the shared decision core's terms (the device decision starts from them).
+  kernels::LossScaleRule rule() const;
+  kernels::LossScaleState core_state() const {
+    return {scale_, growth_tracker_, consecutive_overflows_};
+  }
 
   // The guard an overflow at this step trips (it becomes an abort), or "".
   std::string guard_on_overflow() const;

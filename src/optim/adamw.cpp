@@ -65,6 +65,7 @@ void AdamW::step(double lr, const at::Tensor& grad_scale, const at::Tensor& foun
 }
 
 void AdamW::step(double lr, const UpdateControl& control) {
+  if (control.on_device()) return step(lr, control.device_grad_scale, control.device_found_inf);
   at::Tensor grad_scale, found_inf;
   const auto options = first_param().options();
   if (control.skip) found_inf = at::ones({}, options);

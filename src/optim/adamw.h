@@ -27,6 +27,16 @@ struct UpdateControl {
   double loss_scale = 1.0;   // the gradients carry this factor (fp16): divided out
   // What the fused kernel divides the gradients by: loss_scale / clip.
   double grad_scale() const { return loss_scale / clip; }
+  // Decided on the device (skip.device_decision): found_inf and grad_scale as device scalars
+  // (fp32), which the host does not read; the fields above are then unused.
+  at::Tensor device_found_inf, device_grad_scale;
+  bool on_device() const { return device_found_inf.defined(); }
+  static UpdateControl on_device(const at::Tensor& found_inf, const at::Tensor& grad_scale) {
+    UpdateControl c;
+    c.device_found_inf = found_inf;
+    c.device_grad_scale = grad_scale;
+    return c;
+  }
 };
 
 // One tensor the optimizer updates. The moments may be views into buffers the caller owns

@@ -37,7 +37,8 @@ class Ddp final : public DataParallel {
 
   void apply(double lr, const UpdateControl& control) override {
     optimizer_.step(lr, control);
-    if (master_.defined() && !control.skip) flat_param_.copy_(master_);  // the P-dtype copies
+    // The P-dtype copies (a skip's masters are unchanged; on the device the host cannot tell).
+    if (master_.defined() && (!control.skip || control.on_device())) flat_param_.copy_(master_);
   }
 
   WeightSource weights() override { return {master_.defined() ? masters_ : params_, {}}; }

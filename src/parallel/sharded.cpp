@@ -75,7 +75,8 @@ class Sharded final : public DataParallel {
 
   void apply(double lr, const UpdateControl& control) override {
     optimizer_.step(lr, control);
-    if (!control.skip) gather_parameters();  // a skip changed no block: nothing to gather
+    // A skip changed no block: nothing to gather (on the device the host cannot tell: gather).
+    if (!control.skip || control.on_device()) gather_parameters();
   }
 
   // The fp32 weights: the parameters themselves when they are fp32 (the gathered masters, bit

@@ -1,0 +1,76 @@
+// The step's decision taken where the gradients are (skip.device_decision): the exchanged
+// table stays on the device, decide_step (kernels/decision.h, one thread) decides there and
+// writes found_inf and grad_scale for the fused AdamW, so a clean step never waits for the
+// host. The host copies the table and the result into pinned memory as the step goes on and
+// reads them a step later, to take the same decision on its own (SkipDetector, LossScaler:
+// the diagnostics, the counters, the progress line) and to check that the two agree bit for
+// bit. An abort is sticky on the device: every update after it is blocked until the host,
+// a step later, stops. On a CPU the same path runs in host memory (the tests use it).
+//
+// The device form covers the decisions without per-rank replays: skip.on_global_spike =
+// "skip", skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance", no
+// dynamic loss scaling (the forward would need the device's scale); device_decision_blocker
+// (config.h) names what keeps a config out of it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint/checkpointer.h"
+#include "decide/detector.h"
+#include "decide/loss_scale.h"
+#include "kernels/decision.h"
+#include "lockstep/config.h"
+
+namespace lockstep {
+
+// Whether this run decides on the device: skip.device_decision = "on" (checked by the config),
+// or "auto" on a GPU with a config that has a device form.
+bool decides_on_device(const Config& c, c10::Device device);
+
+class DeviceDecision {
+ public:
+  // Starts from the host's state (after a resume: the checkpoint's windows, guards and counters).
+  DeviceDecision(const Config& c, c10::Device device, const SkipDetector& detector,
+                 const LossScaler& scaler, const TrainState& state);
+  ~DeviceDecision();
+  DeviceDecision(const DeviceDecision&) = delete;
+  DeviceDecision& operator=(const DeviceDecision&) = delete;
+
+  // The update's inputs, on the device: found_inf (1: skip or abort) and grad_scale.
+  struct Update {
+    at::Tensor found_inf, grad_scale;
+  };
+  // Decides the step whose [W, 8] table this is (on the device) into slot `step % 2`, and
+  // starts copying the table and the result to the host.
+  Update decide(const at::Tensor& table, int64_t step);
+
+  // What the device decided at `step` (one of the last two), on the host: waits for the copy,
+  // which by a step later has landed.
+  struct Late {
+    std::vector<RankStats> table;
+    kernels::DecideResult result{};
+    float found_inf = 0, grad_scale = 0;
+  };
+  Late read(int64_t step);
+
+ private:
+  struct Slot;
+  c10::Device device_;
+  kernels::DecideConfig config_{};
+  at::Tensor rings_, state_;  // device: the windows and the DecideState pointing into them
+  std::array<std::unique_ptr<Slot>, 2> slots_;
+};
+
+// Throws (exit code 4) when the host's decision of `step` (its verdict and clip) differs from
+// the device's: a bug, named with both numbers.
+void expect_same_decision(int64_t step, const Verdict& v, double clip,
+                          const DeviceDecision::Late& device);
+
+}  // namespace lockstep

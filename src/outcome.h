@@ -1,0 +1,56 @@
+// What follows a step's decision beyond its update, for the step and the loop in train.cpp:
+// the counters, an anomalous step's event and message (an abort keeps the last good state and
+// stops every rank alike), progress, validation, the replica vote, checkpoints, a stop all
+// ranks agreed on, and the run's closing line.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "compute.h"
+#include "diag/metrics.h"
+#include "job.h"
+#include "lockstep/train.h"
+
+namespace lockstep {
+
+struct StepResult {
+  Verdict verdict;
+  double lr = 0, clip = 1.0;
+  StepCosts costs;
+};
+
+// The decided step's counters and state; `data_position`: the sampler's after its batch.
+void advance(Job& job, const Verdict& v, int64_t data_position);
+
+// A warning when the gradient's squares overflowed fp32 (summed in fp64) with nothing nonfinite.
+void warn_overflow(int64_t step, const Verdict& v);
+
+// Whether the host needs step n's state before the next update: after_step acts on it.
+bool host_needs_step(const Job& job, int64_t n);
+
+// After a step: progress, validate, verify, save; a stop (unless `may_stop` is false: the
+// device loop then finishes the step after it first). Returns whether a stop was asked.
+bool after_step(Job& job, Progress& progress, TrainResult& result, const StepResult& r,
+                int64_t& last_verified, bool may_stop = true);
+
+// Every rank writes its event (its own view plus the agreed table) for the step after
+// job.state.step. A skip is logged; an abort saves the last good state (the weights are still
+// it) and throws TrainingAborted.
+void explain(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
+             double lr);
+
+// Every rank saw the same stop request in the same all-gather: all stop after this step
+// (saving it unless `saved`). Throws the Error that ends the run with 128 + the signal.
+[[noreturn]] void stop(Job& job, bool saved);
+
+// Verifies the replicas (diagnostics.verify_every); a desync stops the job naming the ranks.
+void verify(Job& job, int64_t& last_verified);
+
+// The held-out loss (every rank evaluates its share).
+void validate(Job& job, Progress& progress);
+
+// Fills the result's totals from job.state and logs the closing line.
+void finish_run(Job& job, const Progress& progress, TrainResult& result);
+
+}  // namespace lockstep

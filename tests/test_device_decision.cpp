@@ -1,0 +1,137 @@
+// The decision taken on the device and read by the host a step later (skip.device_decision,
+// src/decide/device_decision.h), run on the CPU with host memory: the same decisions, events,
+// counters and weights as the host path under random faults on 2, 3 and 4 ranks in both modes;
+// an abort is sticky (the update issued after it never lands) and the last good state is saved;
+// configs without a device form are refused by name.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "decide/device_decision.h"
+#include "lockstep/error.h"
+#include "lockstep/train.h"
+#include "run_util.h"
+
+using namespace lockstep;
+using test::read_jsonl;
+using test::read_text;
+
+namespace {
+
+// A rank's events, whole (what the host path writes, the device path must write too).
+std::vector<std::string> events(const std::string& dir, int rank) {
+  std::vector<std::string> out;
+  for (const auto& e : read_jsonl(dir + "/diagnostics/rank" + std::to_string(rank) + ".jsonl"))
+    out.push_back(e.dump());
+  return out;
+}
+
+// Random faults and spikes on `world` ranks in `mode`, decided on the host and on the device
+// (lazily: no log, checkpoint or verify step but the last): the same run.
+void expect_same_runs(int world, const std::string& mode) {
+  SCOPED_TRACE(std::to_string(world) + " ranks, " + mode);
+  test::TempDir dir;
+  const std::string common =
+      "--skip.on_global_spike skip --skip.min_history 8 --skip.max_consecutive 0 "
+      "--skip.max_fraction 0 --metrics.log_freq 1000 --training.max_norm 1.0 "
+      "--fault.random_p 0.06 --fault.random_seed 7 "
+      "--fault.random_kinds 'nan_grad, inf_grad, nan_loss, spike' --parallelism.mode " +
+      mode;
+  const int steps = 60;
+  const auto host = test::run_ranks(world, dir / "host", steps,
+                                    common + " --skip.device_decision off");
+  const auto device = test::run_ranks(world, dir / "device", steps,
+                                      common + " --skip.device_decision on");
+  ASSERT_EQ(host.code, 0) << host.out;
+  ASSERT_EQ(device.code, 0) << device.out;
+  const auto h = test::outcome(dir / "host", world), d = test::outcome(dir / "device", world);
+  EXPECT_EQ(d.losses, h.losses);
+  EXPECT_EQ(d.crcs, h.crcs) << "the weights differ";
+  for (int rank = 0; rank < world; ++rank)
+    EXPECT_EQ(events(dir / "device", rank), events(dir / "host", rank)) << "rank " << rank;
+  EXPECT_GE(events(dir / "host", 0).size(), 3u) << "the seed gives too few anomalies";
+  const auto hm = read_jsonl(dir / "host/metrics.jsonl").back();
+  const auto dm = read_jsonl(dir / "device/metrics.jsonl").back();
+  for (const char* k : {"step", "optimizer_steps", "skipped_steps", "grad_norm", "loss"})
+    EXPECT_EQ(dm[k], hm[k]) << k;
+}
+
+}  // namespace
+
+TEST(DeviceDecision, TwoRanksDecideAsTheHostInBothModes) {
+  expect_same_runs(2, "ddp");
+  expect_same_runs(2, "sharded");
+}
+
+TEST(DeviceDecision, ThreeRanksDecideAsTheHostInBothModes) {
+  expect_same_runs(3, "ddp");
+  expect_same_runs(3, "sharded");
+}
+
+TEST(DeviceDecision, FourRanksDecideAsTheHostInBothModes) {
+  expect_same_runs(4, "ddp");
+  expect_same_runs(4, "sharded");
+}
+
+// Three NaN steps in a row trip skip.max_consecutive = 2 at step 7, which the host learns a step
+// late, after step 8 was issued: the device's abort is sticky, so step 8's update never lands,
+// and the checkpoint of the last good state is the host path's byte for byte.
+TEST(DeviceDecision, AnAbortIsStickyAndTheLastGoodStateIsSaved) {
+  test::TempDir dir;
+  std::string messages[2];
+  int i = 0;
+  for (const char* where : {"off", "on"}) {
+    const std::vector<Override> extra = {
+        {"skip.device_decision", where},     {"skip.on_global_spike", "skip"},
+        {"skip.max_consecutive", "2"},       {"metrics.log_freq", "1000"},
+        {"checkpoint.interval", "1000"},     {"checkpoint.keep_latest_k", "0"},
+        {"fault.inject", "nan_grad@5:0, nan_grad@6:0, nan_grad@7:0"}};
+    try {
+      train(test::job(dir / where, 20, extra));
+      ADD_FAILURE() << where << ": the third skip in a row must abort";
+    } catch (const TrainingAborted& e) {
+      messages[i++] = e.what();
+    }
+  }
+  EXPECT_NE(messages[1].find("step 7: aborted"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[1].find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos)
+      << messages[1];
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(read_text(dir / "on/checkpoint/step-6/" + file),
+              read_text(dir / "off/checkpoint/step-6/" + file))
+        << file;
+  const auto on = test::meta(dir / "on/checkpoint/step-6");
+  const auto off = test::meta(dir / "off/checkpoint/step-6");
+  for (const char* k : {"step", "optimizer_steps", "data_position", "detector"})
+    EXPECT_EQ(on[k], off[k]) << k;
+}
+
+// "on" with a setting that has no device form is refused naming both keys; "auto" decides on
+// the device only on a GPU, and only where the settings allow it.
+TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
+  try {
+    load_config("", "test", {{"skip.device_decision", "on"}, {"skip.on_global_spike", "clip"}});
+    FAIL() << "on_global_spike = clip has no device form";
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("'skip.device_decision'"), std::string::npos) << m;
+    EXPECT_NE(m.find("skip.on_global_spike = \"clip\""), std::string::npos) << m;
+  }
+  const Config skip = load_config("", "test", {{"skip.on_global_spike", "skip"}});
+  const Config clip = load_config("", "test", {{"skip.on_global_spike", "clip"}});
+  const c10::Device gpu(c10::kCUDA, 0), cpu(c10::kCPU);
+  EXPECT_TRUE(decides_on_device(skip, gpu));
+  EXPECT_FALSE(decides_on_device(skip, cpu));
+  EXPECT_FALSE(decides_on_device(clip, gpu));
+  for (const auto& [key, value] : std::vector<Override>{{"skip.scope", "rank"},
+                                                        {"skip.replay", "self"},
+                                                        {"lr_scheduler.on_skip", "hold"},
+                                                        {"training.loss_scale", "dynamic"}}) {
+    auto ov = std::vector<Override>{{"skip.on_global_spike", "skip"}, {key, value}};
+    if (key != "training.loss_scale") ov.push_back({"skip.enabled", "true"});
+    else ov.push_back({"training.mixed_precision_param", "float16"});
+    EXPECT_NE(device_decision_blocker(load_config("", "test", ov)).find(key), std::string::npos)
+        << key;
+  }
+}
