@@ -104,21 +104,32 @@ TEST(GpuTraining, LlamaInBf16WithValidationAndMfu) {
 }
 
 // A NaN gradient on the GPU is skipped; three in a row trip skip.max_consecutive = 2, and the
-// job aborts (exit 4) naming the guard.
+// job aborts (exit 4) naming the guard. Decided on the host, then on the device (with
+// on_global_spike = "skip", skip.device_decision "auto" takes it; log steps every 4th, so
+// steps 5 to 7 are read a step late).
 TEST(GpuTraining, SkipAndAbortOnOneGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  test::TempDir dir;
-  auto s = test::capture(std::string(LOCKSTEP_BIN) + " " +
-                         train_args(dir / "skip", "--fault.inject 'nan_grad@5:0'"));
-  ASSERT_EQ(s.code, 0) << s.out;
-  const auto m = last_step_record(dir / "skip");
-  EXPECT_EQ(m["skipped_steps"], 1) << "the NaN of step 5 and nothing else";
-  EXPECT_EQ(m["step"], 12);
-  auto a = test::capture(std::string(LOCKSTEP_BIN) + " " +
-                         train_args(dir / "abort", "--skip.max_consecutive 2 --fault.inject "
-                                                   "'nan_grad@5:0, nan_grad@6:0, nan_grad@7:0'"));
-  EXPECT_EQ(a.code, 4) << a.out;
-  EXPECT_NE(a.out.find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos) << a.out;
+  for (const std::string where : {"host", "device"}) {
+    SCOPED_TRACE(where);
+    const std::string policy = where == "device"
+                                   ? "--skip.on_global_spike skip --metrics.log_freq 4 "
+                                     "--skip.device_decision on "
+                                   : "--skip.device_decision off ";
+    test::TempDir dir;
+    auto s = test::capture(std::string(LOCKSTEP_BIN) + " " +
+                           train_args(dir / "skip", policy + "--fault.inject 'nan_grad@5:0'"));
+    ASSERT_EQ(s.code, 0) << s.out;
+    const auto m = last_step_record(dir / "skip");
+    EXPECT_EQ(m["skipped_steps"], 1) << "the NaN of step 5 and nothing else";
+    EXPECT_EQ(m["step"], 12);
+    auto a = test::capture(std::string(LOCKSTEP_BIN) + " " +
+                           train_args(dir / "abort", policy +
+                                                     "--skip.max_consecutive 2 --fault.inject "
+                                                     "'nan_grad@5:0, nan_grad@6:0, nan_grad@7:0'"));
+    EXPECT_EQ(a.code, 4) << a.out;
+    EXPECT_NE(a.out.find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos)
+        << a.out;
+  }
 }
 
 // c10's sync debug mode set to error around every step after the first two (SyncWatch): a host

@@ -5,6 +5,7 @@
 // configs without a device form are refused by name.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -134,4 +135,35 @@ TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
     EXPECT_NE(device_decision_blocker(load_config("", "test", ov)).find(key), std::string::npos)
         << key;
   }
+}
+
+// A resume mid-window: the device's windows, guards and counters start from the checkpoint's
+// detector. A host-decided run's step-10 checkpoint, resumed with the decision on the device,
+// ends as the host-decided run did: the same events and the same bytes at step 30.
+TEST(DeviceDecision, AResumeMidWindowStartsFromTheCheckpointsState) {
+  test::TempDir dir;
+  std::vector<Override> policy = {
+      {"skip.window", "16"},           {"skip.min_history", "6"},
+      {"skip.on_global_spike", "skip"}, {"checkpoint.interval", "10"},
+      {"metrics.log_freq", "1000"},    {"fault.spike_factor", "50"},
+      {"fault.inject", "spike@13:0, nan_grad@17:0, spike@24:0"}};
+  auto host = policy, device = policy;
+  host.push_back({"skip.device_decision", "off"});
+  train(test::job(dir / "host", 30, host));
+  std::filesystem::create_directories(dir / "device/checkpoint");
+  std::filesystem::copy(dir / "host/checkpoint/step-10", dir / "device/checkpoint/step-10",
+                        std::filesystem::copy_options::recursive);
+  device.push_back({"skip.device_decision", "on"});
+  device.push_back({"checkpoint.load_step", "10"});
+  const TrainResult r = train(test::job(dir / "device", 30, device));
+  EXPECT_EQ(r.start_step, 10);
+  const auto host_events = events(dir / "host", 0);
+  ASSERT_EQ(host_events.size(), 3u) << "two spikes and a NaN";
+  EXPECT_EQ(events(dir / "device", 0), host_events);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(read_text(dir / "device/checkpoint/step-30/" + file),
+              read_text(dir / "host/checkpoint/step-30/" + file))
+        << file;
+  EXPECT_EQ(test::meta(dir / "device/checkpoint/step-30")["detector"],
+            test::meta(dir / "host/checkpoint/step-30")["detector"]);
 }
