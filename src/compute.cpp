@@ -39,7 +39,13 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
     at::Tensor objective =
         job.faults->on_objective(loss.div(static_cast<double>(micro_batches)), micro);
     if (micro == micro_batches - 1 && index == 0) job.dp->begin_last_backward();  // overlap
-    (scale == 1.0 ? objective : objective.mul(scale)).backward();
+    // Decided on the device, the scale is the device's (the host's scaler is a step behind).
+    const at::Tensor scaled =
+        job.decision && job.scaler->enabled()
+            ? objective.mul(job.decision->loss_scale().to(objective.scalar_type()))
+        : scale == 1.0 ? objective
+                       : objective.mul(scale);
+    scaled.backward();
     const at::Tensor mean = loss.detach().to(at::kDouble);
     loss_sum = micro == 0 ? mean : loss_sum.add(mean);
     samples.push_back(per_sample.detach());

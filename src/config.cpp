@@ -433,8 +433,7 @@ void skip_fields(std::vector<Field>& t) {
                            "decide each step on the device and read the verdict a step later "
                            "(no host sync on a clean step): auto = on GPUs when the settings "
                            "allow it (on_global_spike = \"skip\", scope = \"step\", no replay, "
-                           "lr on_skip = \"advance\", no dynamic loss scale); on (also on CPUs); "
-                           "off"));
+                           "lr on_skip = \"advance\"); on (also on CPUs); off"));
 }
 
 void diagnostics_and_fault_fields(std::vector<Field>& t) {
@@ -902,8 +901,6 @@ std::string device_decision_blocker(const Config& c) {
     return fmt::format("diagnostics.replay_every = {}", c.diagnostics.replay_every);
   if (c.lr_scheduler.on_skip != OnSkip::kAdvance)
     return fmt::format("lr_scheduler.on_skip = \"{}\"", name_of(c.lr_scheduler.on_skip));
-  if (loss_scale_setting(c.training).mode == LossScaleMode::kDynamic)
-    return "training.loss_scale = \"dynamic\"";
   return "";
 }
 

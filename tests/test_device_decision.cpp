@@ -28,34 +28,40 @@ std::vector<std::string> events(const std::string& dir, int rank) {
   return out;
 }
 
-// Random faults and spikes on `world` ranks in `mode`, decided on the host and on the device
-// (lazily: no log, checkpoint or verify step but the last): the same run.
-void expect_same_runs(int world, const std::string& mode) {
-  SCOPED_TRACE(std::to_string(world) + " ranks, " + mode);
+// `args` on `world` ranks, decided on the host and on the device (lazily: no log, checkpoint or
+// verify step but the last): the same run. Returns the host run's event count on rank 0.
+size_t expect_same_args(int world, const std::string& args) {
   test::TempDir dir;
-  const std::string common =
-      "--skip.on_global_spike skip --skip.min_history 8 --skip.max_consecutive 0 "
-      "--skip.max_fraction 0 --metrics.log_freq 1000 --training.max_norm 1.0 "
-      "--fault.random_p 0.06 --fault.random_seed 7 "
-      "--fault.random_kinds 'nan_grad, inf_grad, nan_loss, spike' --parallelism.mode " +
-      mode;
+  const std::string common = "--skip.on_global_spike skip --metrics.log_freq 1000 " + args;
   const int steps = 60;
   const auto host = test::run_ranks(world, dir / "host", steps,
                                     common + " --skip.device_decision off");
   const auto device = test::run_ranks(world, dir / "device", steps,
                                       common + " --skip.device_decision on");
-  ASSERT_EQ(host.code, 0) << host.out;
-  ASSERT_EQ(device.code, 0) << device.out;
+  EXPECT_EQ(host.code, 0) << host.out;
+  EXPECT_EQ(device.code, 0) << device.out;
   const auto h = test::outcome(dir / "host", world), d = test::outcome(dir / "device", world);
   EXPECT_EQ(d.losses, h.losses);
   EXPECT_EQ(d.crcs, h.crcs) << "the weights differ";
   for (int rank = 0; rank < world; ++rank)
     EXPECT_EQ(events(dir / "device", rank), events(dir / "host", rank)) << "rank " << rank;
-  EXPECT_GE(events(dir / "host", 0).size(), 3u) << "the seed gives too few anomalies";
   const auto hm = read_jsonl(dir / "host/metrics.jsonl").back();
   const auto dm = read_jsonl(dir / "device/metrics.jsonl").back();
-  for (const char* k : {"step", "optimizer_steps", "skipped_steps", "grad_norm", "loss"})
-    EXPECT_EQ(dm[k], hm[k]) << k;
+  for (const char* k : {"step", "optimizer_steps", "skipped_steps", "overflow_skips",
+                        "loss_scale", "grad_norm", "loss"})
+    EXPECT_EQ(dm.value(k, nlohmann::json()), hm.value(k, nlohmann::json())) << k;
+  return events(dir / "host", 0).size();
+}
+
+// Random faults and spikes on `world` ranks in `mode`.
+void expect_same_runs(int world, const std::string& mode) {
+  SCOPED_TRACE(std::to_string(world) + " ranks, " + mode);
+  const size_t anomalies = expect_same_args(
+      world, "--skip.min_history 8 --skip.max_consecutive 0 --skip.max_fraction 0 "
+             "--training.max_norm 1.0 --fault.random_p 0.06 --fault.random_seed 7 "
+             "--fault.random_kinds 'nan_grad, inf_grad, nan_loss, spike' --parallelism.mode " +
+                 mode);
+  EXPECT_GE(anomalies, 3u) << "the seed gives too few anomalies";
 }
 
 }  // namespace
@@ -125,16 +131,25 @@ TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
   EXPECT_TRUE(decides_on_device(skip, gpu));
   EXPECT_FALSE(decides_on_device(skip, cpu));
   EXPECT_FALSE(decides_on_device(clip, gpu));
-  for (const auto& [key, value] : std::vector<Override>{{"skip.scope", "rank"},
-                                                        {"skip.replay", "self"},
-                                                        {"lr_scheduler.on_skip", "hold"},
-                                                        {"training.loss_scale", "dynamic"}}) {
+  for (const auto& [key, value] : std::vector<Override>{
+           {"skip.scope", "rank"}, {"skip.replay", "self"}, {"lr_scheduler.on_skip", "hold"}}) {
     auto ov = std::vector<Override>{{"skip.on_global_spike", "skip"}, {key, value}};
-    if (key != "training.loss_scale") ov.push_back({"skip.enabled", "true"});
-    else ov.push_back({"training.mixed_precision_param", "float16"});
+    ov.push_back({"skip.enabled", "true"});
     EXPECT_NE(device_decision_blocker(load_config("", "test", ov)).find(key), std::string::npos)
         << key;
   }
+}
+
+// fp16 with a dynamic loss scale: overflows back the scale off and updates grow it on the
+// device; each step's forward multiplies by the device's scale, not the host's (a step
+// behind).
+TEST(DeviceDecision, Fp16LossScalingFollowsTheDevicesScale) {
+  const size_t overflows = expect_same_args(
+      2, "--training.mixed_precision_param float16 --training.loss_scale dynamic "
+         "--training.loss_scale_growth_interval 3 --fault.inject "
+         "'overflow@3:1, overflow@4:0, overflow@8:0, overflow@20:1'");
+  EXPECT_GE(overflows, 4u) << "the four injected overflows (the scale grows every 3 updates, "
+                              "so it overflows by itself too)";
 }
 
 // A resume mid-window: the device's windows, guards and counters start from the checkpoint's

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 
@@ -98,6 +99,9 @@ DeviceDecision::DeviceDecision(const Config& c, c10::Device device, const SkipDe
   rings_.copy_(at::from_blob(rings.data(), {rings_.numel()}, at::kDouble));
   state_ = bytes_on(device, sizeof s);
   state_.copy_(at::from_blob(&s, {static_cast<int64_t>(sizeof s)}, at::kByte));
+  loss_scale_ = at::from_blob(state_.data_ptr<uint8_t>() + offsetof(kernels::DecideState, scale) +
+                                  offsetof(kernels::LossScaleState, scale),
+                              {}, at::TensorOptions().dtype(at::kDouble).device(device));
   const bool pinned = device.is_cuda();
   for (auto& slot : slots_) {
     slot = std::make_unique<Slot>();

@@ -8,9 +8,10 @@
 // a step later, stops. On a CPU the same path runs in host memory (the tests use it).
 //
 // The device form covers the decisions without per-rank replays: skip.on_global_spike =
-// "skip", skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance", no
-// dynamic loss scaling (the forward would need the device's scale); device_decision_blocker
-// (config.h) names what keeps a config out of it.
+// "skip", skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance" (the
+// host sets the next step's lr before it reads this one's verdict); device_decision_blocker
+// (config.h) names what keeps a config out of it. With fp16 loss scaling the forward multiplies
+// by the device's scale (loss_scale()).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,11 +61,16 @@ class DeviceDecision {
   };
   Late read(int64_t step);
 
+  // The loss scale the next step multiplies its loss by: a 0-dim fp64 view of the device's
+  // state (the host's scaler is a step behind).
+  const at::Tensor& loss_scale() const { return loss_scale_; }
+
  private:
   struct Slot;
   c10::Device device_;
   kernels::DecideConfig config_{};
   at::Tensor rings_, state_;  // device: the windows and the DecideState pointing into them
+  at::Tensor loss_scale_;     // a view of state_'s scale
   std::array<std::unique_ptr<Slot>, 2> slots_;
 };
 
