@@ -5,6 +5,7 @@
 // configs without a device form are refused by name.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -181,4 +182,53 @@ TEST(DeviceDecision, AResumeMidWindowStartsFromTheCheckpointsState) {
         << file;
   EXPECT_EQ(test::meta(dir / "device/checkpoint/step-30")["detector"],
             test::meta(dir / "host/checkpoint/step-30")["detector"]);
+}
+
+// SIGTERM while steps are read a step late: the stop is seen in a lazy step's verdict, the step
+// issued after it is finished too, and every rank stops after that one with its checkpoint. The
+// checkpoint holds that step's weights: a run of exactly that many steps (constant lr, so the
+// schedule does not depend on the length) saves the same bytes.
+TEST(DeviceDecision, SigtermStopsEveryRankAfterACheckpointedStep) {
+  test::TempDir dir;
+  std::string args;
+  for (const auto& [k, v] : test::tiny(dir / "run", 100000)) args += " --" + k + " '" + v + "'";
+  args += " --skip.on_global_spike skip --skip.device_decision on --metrics.log_freq 7"
+          " --lr_scheduler.decay_type constant --checkpoint.interval 100000";
+  const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node 2" +
+                          " --master-port " + std::to_string(test::free_port()) + " -- " +
+                          LOCKSTEP_BIN + " train" + args + " >" + dir / "out.txt" + " 2>&1";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
+    ::_exit(127);
+  }
+  for (int i = 0; i < 300 && read_jsonl(dir / "run/metrics.jsonl").size() < 4; ++i)
+    ::usleep(100000);
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const std::string out = read_text(dir / "out.txt");
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 143) << out;
+  const std::string said = "[rank 0] lockstep: error: stopped by SIGTERM after step ";
+  const auto at = out.find(said);
+  ASSERT_NE(at, std::string::npos) << out;
+  const int64_t step = std::stoll(out.substr(at + said.size()));
+  EXPECT_GE(step, 21) << "it trained past the fourth log step first";
+  EXPECT_NE(out.find("[rank 1] lockstep: error: stopped by SIGTERM after step " +
+                     std::to_string(step) + " "),
+            std::string::npos)
+      << out;
+  const std::string saved = dir / ("run/checkpoint/step-" + std::to_string(step));
+  EXPECT_EQ(test::meta(saved)["step"], step);
+  std::string straight;
+  for (const auto& [k, v] : test::tiny(dir / "straight", static_cast<int>(step)))
+    straight += " --" + k + " '" + v + "'";
+  const auto r = test::run_on_ranks(
+      2, "train" + straight + " --lr_scheduler.decay_type constant --skip.on_global_spike skip",
+      test::Launcher::kLockstepRun);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(read_text(saved + "/model.safetensors"),
+            read_text(dir / ("straight/checkpoint/step-" + std::to_string(step)) +
+                      "/model.safetensors"));
 }
