@@ -172,7 +172,8 @@ void run_on_device(Job& job, Progress& progress, TrainResult& result, int64_t& l
     std::optional<SyncWatch> watch;
     if (n >= first + 3 && !now) watch.emplace(true);
     Issued issued = issue(job, n, next_lr(job.schedule, n - 1, 0));
-    if (late) stopping = after_step(job, progress, result, finish(job, *late), last_verified, false);
+    if (late)
+      stopping = after_step(job, progress, result, finish(job, *late), last_verified, false);
     late.reset();
     watch.reset();
     if (now || stopping) after_step(job, progress, result, finish(job, issued), last_verified);

@@ -140,7 +140,8 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& table, int64_t s
   // The host's copies, without waiting: it reads them a step later.
   const bool async = device_.is_cuda();
   if (!slot.table_host.defined() || slot.table_host.numel() != t.numel())
-    slot.table_host = at::empty(t.sizes(), at::TensorOptions().dtype(at::kDouble).pinned_memory(async));
+    slot.table_host =
+        at::empty(t.sizes(), at::TensorOptions().dtype(at::kDouble).pinned_memory(async));
   slot.table_host.copy_(t, async);
   slot.result_host.copy_(slot.result, async);
   slot.flags_host.copy_(slot.flags, async);
