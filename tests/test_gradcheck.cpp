@@ -1,5 +1,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/randint.h>
 #include <ATen/ops/zeros.h>
@@ -215,4 +216,24 @@ TEST(GradCheck, TensorOver2To31Elements) {
   auto tail = run_check(grads, n - 4, 4);  // a shard that starts past 2^31
   EXPECT_EQ(tail.nonfinite, 1);
   EXPECT_EQ(tail.sumsq, 9.0);
+}
+
+// Blocks checked as their bucket of the gradient sync lands (run_range), the rest at run(): the
+// same bits as one run(), for the whole buffer and for a shard; the next run() starts clean.
+TEST(GradCheck, BlocksCheckedAsTheirBucketLandsGiveTheSameBits) {
+  auto grads = random_grads({70000, 5, 200000, 1 << 17, 33}, at::kFloat, kCpu);
+  plant(grads[2].tensor, 12345, kNan);
+  plant(grads[3].tensor, 99, 1e30);  // an overflow run, redone in fp64
+  for (const auto& [offset, length] : {std::pair<int64_t, int64_t>{0, -1}, {50000, 250000}}) {
+    SCOPED_TRACE(offset);
+    GradCheck whole(grads, offset, length), parts(grads, offset, length);
+    const at::Tensor want = whole.run().clone();
+    parts.run_range(0, 70005);            // the first two tensors
+    parts.run_range(270005, 1 << 30);     // the tail
+    parts.run_range(100000, 150000);      // inside a tensor: its whole blocks only
+    EXPECT_TRUE(at::equal(parts.run(), want));
+    EXPECT_GT(parts.blocks_checked_early(), 0);
+    EXPECT_TRUE(at::equal(parts.run(), want));
+    EXPECT_EQ(parts.blocks_checked_early(), 0);
+  }
 }

@@ -65,6 +65,8 @@ GradCheck::~GradCheck() = default;
 void GradCheck::build_table() {
   segments_.clear();
   blocks_.clear();
+  block_start_.clear();
+  std::vector<int64_t> segment_start;  // each segment's first element in the concatenation
   if (grads_.empty()) throw std::invalid_argument("gradient check: no tensors");
   const c10::Device device = grads_[0].tensor.device();
   int64_t total = 0;
@@ -90,15 +92,22 @@ void GradCheck::build_table() {
       auto ptr = static_cast<const char*>(g.tensor.const_data_ptr()) +
                  (lo - base) * kernels::dtype_size(dtype);
       segments_.push_back({ptr, hi - lo, static_cast<int32_t>(i), dtype});
+      segment_start.push_back(lo);
     }
     base += n;
   }
   pointers_.clear();
   for (const auto& g : grads_) pointers_.push_back(g.tensor.const_data_ptr());
-  for (const auto& seg : segments_)
-    for (int64_t start = 0; start < seg.count; start += kBlockElems)
+  for (size_t k = 0; k < segments_.size(); ++k) {
+    const kernels::Segment& seg = segments_[k];
+    for (int64_t start = 0; start < seg.count; start += kBlockElems) {
       blocks_.push_back({static_cast<const char*>(seg.ptr) + start * kernels::dtype_size(seg.dtype),
                          std::min(kBlockElems, seg.count - start), seg.tensor, seg.dtype});
+      block_start_.push_back(segment_start[k] + start);
+    }
+  }
+  partial_.assign(blocks_.size(), {});
+  done_.assign(blocks_.size(), 0);
 
   const auto size = kernels::stats_size(num_tensors());
   out_ = at::empty({size}, grads_[0].tensor.options().dtype(at::kDouble));
@@ -128,18 +137,21 @@ at::Tensor GradCheck::run() {
   if (!out_.is_cpu())
     throw std::invalid_argument("gradient check: this build has no CUDA support for " +
                                 out_.device().str());
-  const auto partial = map_blocks<kernels::SpanStats>(blocks_, [](const kernels::Segment& b) {
-    return kernels::check_span_cpu(b.ptr, b.count, b.dtype);
-  });
+  std::vector<int64_t> rest;  // the blocks no run_range has checked this step
+  for (size_t b = 0; b < blocks_.size(); ++b)
+    if (!done_[b]) rest.push_back(static_cast<int64_t>(b));
+  checked_early_ = static_cast<int64_t>(blocks_.size() - rest.size());
+  check_blocks(rest);
+  std::fill(done_.begin(), done_.end(), 0);
   // Fixed-order reduction: blocks in table order into tensors, tensors in order into totals.
   double* out = out_.data_ptr<double>();
   std::fill(out, out + out_.numel(), 0.0);
   double overflow = 0;
   for (size_t b = 0; b < blocks_.size(); ++b) {
     const int t = blocks_[b].tensor;
-    out[kernels::kStatsHeader + 2 * t] += static_cast<double>(partial[b].nonfinite);
-    out[kernels::kStatsHeader + 2 * t + 1] += partial[b].sumsq;
-    overflow += static_cast<double>(partial[b].overflow_runs);
+    out[kernels::kStatsHeader + 2 * t] += static_cast<double>(partial_[b].nonfinite);
+    out[kernels::kStatsHeader + 2 * t + 1] += partial_[b].sumsq;
+    overflow += static_cast<double>(partial_[b].overflow_runs);
   }
   for (int t = 0; t < num_tensors(); ++t) {
     out[0] += out[kernels::kStatsHeader + 2 * t];
@@ -147,6 +159,26 @@ at::Tensor GradCheck::run() {
   }
   out[2] = overflow;
   return out_;
+}
+
+void GradCheck::check_blocks(const std::vector<int64_t>& which) {
+  at::parallel_for(0, static_cast<int64_t>(which.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const kernels::Segment& b = blocks_[which[i]];
+      partial_[which[i]] = kernels::check_span_cpu(b.ptr, b.count, b.dtype);
+      done_[which[i]] = 1;
+    }
+  });
+}
+
+void GradCheck::run_range(int64_t lo, int64_t hi) {
+  if (cuda_) return;
+  check_pointers();
+  std::vector<int64_t> which;
+  for (size_t b = 0; b < blocks_.size(); ++b)
+    if (!done_[b] && block_start_[b] >= lo && block_start_[b] + blocks_[b].count <= hi)
+      which.push_back(static_cast<int64_t>(b));
+  check_blocks(which);
 }
 
 void GradCheck::sum_baseline() {

@@ -36,6 +36,14 @@ class GradCheck {
   // allocates nor syncs with the host; the buffer is reused by the next call.
   at::Tensor run();
 
+  // Checks now the blocks of this check that lie whole in [lo, hi) of the concatenation (a
+  // bucket of the gradient sync that has landed); the next run() reuses their partial results
+  // and checks only the rest, with the same fixed-order reduction: the same bits as without.
+  // CPU only (on CUDA run() checks everything; this does nothing). run() must follow.
+  void run_range(int64_t lo, int64_t hi);
+  // How many blocks the last run() found already checked by run_range.
+  int64_t blocks_checked_early() const { return checked_early_; }
+
   // The speed-of-light baseline for benchmarks: a plain SIMD sum over the same blocks and
   // launch shape, no checks. Asynchronous on CUDA.
   void sum_baseline();
@@ -46,6 +54,8 @@ class GradCheck {
 
  private:
   void build_table();
+  // The CPU check of blocks `which` into partial_ (ATen's thread pool), marked done.
+  void check_blocks(const std::vector<int64_t>& which);
   // Throws std::logic_error naming the tensor whose memory moved since build_table().
   void check_pointers() const;
 
@@ -53,6 +63,10 @@ class GradCheck {
   int64_t offset_, length_;
   std::vector<kernels::Segment> segments_;
   std::vector<kernels::Segment> blocks_;  // segments cut into the units of CPU parallelism
+  std::vector<int64_t> block_start_;      // each block's first element in the concatenation
+  std::vector<kernels::SpanStats> partial_;  // each block's result (CPU)
+  std::vector<char> done_;                // partial_[b] is this step's (run_range)
+  int64_t checked_early_ = 0;
   std::vector<const void*> pointers_;      // each tensor's memory when the table was built
   at::Tensor out_, sum_out_;
   struct Cuda;

@@ -74,6 +74,12 @@ class DataParallel {
   // tokens, so the mean over their tokens is the sum divided by it.
   virtual void sync_gradients(int contributors) = 0;
 
+  // Called by sync_gradients with each flat range [lo, hi) of the synced gradient as it lands,
+  // mean taken (ddp's buckets: check [B] runs on it while later buckets are in flight).
+  void on_landed(std::function<void(int64_t lo, int64_t hi)> landed) {
+    landed_ = std::move(landed);
+  }
+
   // Overlap: the next backward is the last before the sync (its hooks start the buckets).
   void begin_last_backward() {
     if (buckets_ && buckets_->overlapped()) buckets_->arm();
@@ -138,6 +144,7 @@ class DataParallel {
   at::Tensor reduce_;     // R, W x block: what the collective reduces; flat_grad_ when R = P
   std::vector<NamedTensor> params_, grads_, synced_;
   std::unique_ptr<GradientBuckets> buckets_;  // more than one rank
+  std::function<void(int64_t, int64_t)> landed_;  // on_landed
 };
 
 // The implementation of `options.mode`. `comm` may be null (one rank).

@@ -27,8 +27,13 @@ class Ddp final : public DataParallel {
 
   void sync_gradients(int contributors) override {
     if (buckets_) {
-      buckets_->finish();  // the buckets backward has not started, then every wait
-      reduce_.div_(static_cast<double>(contributors));
+      // The buckets backward has not started, then every wait; each bucket's mean as it lands
+      // (the same element-wise division as of the whole buffer), then its check [B].
+      buckets_->finish([&](int b) {
+        const auto [lo, n] = ranges_[b];
+        reduce_.narrow(0, lo, n).div_(static_cast<double>(contributors));
+        if (landed_) landed_(lo, lo + n);
+      });
     } else {
       stage_for_reduction();
     }

@@ -72,7 +72,7 @@ void GradientBuckets::start_ready() {
   }
 }
 
-void GradientBuckets::finish() {
+void GradientBuckets::finish(const std::function<void(int bucket)>& landed) {
   std::vector<std::unique_ptr<CommWork>> works;
   {
     const std::lock_guard<std::mutex> lock(mu_);
@@ -83,7 +83,10 @@ void GradientBuckets::finish() {
     next_ = 0;
     for (size_t b = 0; b < needs_.size(); ++b) pending_[b] = static_cast<int>(needs_[b].size());
   }
-  for (auto& w : works) w->wait();
+  for (size_t b = 0; b < works.size(); ++b) {
+    works[b]->wait();
+    if (landed) landed(static_cast<int>(b));
+  }
 }
 
 }  // namespace lockstep

@@ -36,9 +36,10 @@ class GradientBuckets {
   // The next backward leaves the gradients final: its hooks start buckets. Earlier ones (the
   // other micro-batches) only accumulate.
   void arm();
-  // After that backward: starts the buckets not started yet, waits for all in start order and
-  // disarms. Without arm() it starts and waits for all of them (no overlap).
-  void finish();
+  // After that backward: starts the buckets not started yet, waits for all in start order
+  // (calling `landed(b)` after bucket b's wait) and disarms. Without arm() it starts and waits
+  // for all of them (no overlap).
+  void finish(const std::function<void(int bucket)>& landed = {});
   // How many buckets the last armed backward started before it ended (0 when not armed).
   int started_during_backward() const { return started_in_backward_; }
   int size() const { return static_cast<int>(pending_.size()); }
