@@ -41,6 +41,17 @@ TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
           job.scaler->scale()};
 }
 
+// This rank's batch of 1-based `step`, forward and backward, then [A] its own gradient.
+RankStep compute(Job& job, int64_t step) {
+  RankStep s;
+  s.fault = job.faults->begin_step(step);
+  forward_backward(job, s, step);
+  const auto start = Clock::now();
+  check_local(job, s);  // [A]
+  s.costs.decision = seconds_since(start);
+  return s;
+}
+
 // The gradient sync (a rank the triage dropped contributes zeros), [B] the slice this rank
 // checks, and this rank's 64-byte row of stats, built on the device.
 at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
@@ -87,18 +98,13 @@ double clip_of(const Job& job, const Verdict& v) {
 
 // One step, 1-based `step`, at learning rate `lr`, decided on the host.
 StepResult step(Job& job, int64_t step, double lr) {
-  RankStep s;
-  s.fault = job.faults->begin_step(step);
-  forward_backward(job, s, step);
-  auto start = Clock::now();
-  check_local(job, s);  // [A]
-  s.costs.decision = seconds_since(start);
+  RankStep s = compute(job, step);
   const Recompute replay = replayer(job, s, step);
   Triage triage =
       job.triager->before_sync(*job.detector, triage_input(job, s, step), replay, s.costs);
   const std::vector<RankStats> table = measure(job, s, triage);
   job.triager->probe(step, table, triage_input(job, s, step), replay, triage, s.costs);
-  start = Clock::now();
+  const auto start = Clock::now();
   StepResult r{job.detector->decide(table, *job.scaler, triage), lr};
   s.costs.decision += seconds_since(start);
   r.costs = s.costs;
@@ -121,12 +127,7 @@ struct Issued {
 
 // The step up to its update, decided on the device: nothing waits for the host.
 Issued issue(Job& job, int64_t step, double lr) {
-  Issued i{step, lr, {}, 0};
-  i.s.fault = job.faults->begin_step(step);
-  forward_backward(job, i.s, step);
-  const auto start = Clock::now();
-  check_local(job, i.s);  // [A]
-  i.s.costs.decision = seconds_since(start);
+  Issued i{step, lr, compute(job, step), 0};
   const at::Tensor row = sync_and_row(job, i.s, {});
   const auto decided = Clock::now();
   const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), row), step);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "decide/detector.h"
+#include "decide/device_decision.h"
 #include "decide/exchange.h"
 #include "decide/loss_scale.h"
 #include "detector_util.h"
@@ -76,19 +77,11 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       training.loss_scale_init = 1024;
       training.loss_scale_growth_interval = 7;
       training.loss_scale_min = 128;
-      const double max_norm = 1.0;
+      training.max_norm = 1.0;
+      const double max_norm = training.max_norm;
       const bool dynamic = std::string(policy.scaling) == "dynamic";
-      const kernels::DecideConfig config{
-          {cfg.enabled, cfg.max_grad_norm, cfg.grad_norm_zscore, cfg.loss_zscore},
-          cfg.min_history,
-          max_norm,
-          {dynamic, dynamic, training.loss_scale_growth_factor,
-           training.loss_scale_backoff_factor, training.loss_scale_growth_interval},
-          training.loss_scale_max_overflows,
-          training.loss_scale_min,
-          cfg.max_consecutive,
-          cfg.max_fraction,
-          cfg.fraction_window};
+      // The trainer's mapping of the config (the device decision uses the same).
+      const kernels::DecideConfig config = decide_config(cfg, training);
       int taken = 0, skipped = 0, aborted = 0, overflows = 0;
       for (int run = 0; run < 40 && taken < 2000; ++run) {  // a fresh run after every abort
         SkipDetector detector(cfg);

@@ -11,6 +11,7 @@
 
 #include "bench/machine.h"
 #include "decide/detector.h"
+#include "decide/device_decision.h"
 #include "decide/loss_scale.h"
 #include "kernels/decision.h"
 #include "lockstep/bench.h"
@@ -47,10 +48,7 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   std::vector<double> rings(kernels::decide_state_doubles(cfg.window, cfg.fraction_window));
   kernels::DecideState s =
       kernels::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, 1.0);
-  const kernels::DecideConfig c{{cfg.enabled, cfg.max_grad_norm, cfg.grad_norm_zscore,
-                                 cfg.loss_zscore},
-                                cfg.min_history, 1.0, {}, 0, 0, cfg.max_consecutive,
-                                cfg.max_fraction, cfg.fraction_window};
+  const kernels::DecideConfig c = decide_config(cfg, TrainingConfig{});
   std::mt19937_64 rng(1);
   std::vector<std::vector<RankStats>> tables;
   for (int i = 0; i < o.steps; ++i) tables.push_back(healthy_table(rng, world));

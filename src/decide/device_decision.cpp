@@ -20,6 +20,18 @@
 
 namespace lockstep {
 
+kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t) {
+  return {{k.enabled, k.max_grad_norm, k.grad_norm_zscore, k.loss_zscore},
+          k.min_history,
+          t.max_norm,
+          LossScaler(t).rule(),
+          t.loss_scale_max_overflows,
+          t.loss_scale_min,
+          k.max_consecutive,
+          k.max_fraction,
+          k.fraction_window};
+}
+
 bool decides_on_device(const Config& c, c10::Device device) {
   switch (c.skip.device_decision) {
     case DeviceDecisionMode::kOn: return true;
@@ -31,11 +43,11 @@ bool decides_on_device(const Config& c, c10::Device device) {
 
 // One step's result on the device and its copy on the host (pinned on a GPU).
 struct DeviceDecision::Slot {
+  explicit Slot(c10::DeviceType type) : copied(type) {}
   at::Tensor result, flags;             // device: DecideResult bytes; found_inf, grad_scale
   at::Tensor table_host, result_host, flags_host;
   int64_t step = -1;
-  c10::Event copied{c10::DeviceType::CPU};
-  bool recorded = false;
+  c10::Event copied;  // recorded after the copies on a GPU (on a CPU they are done at once)
 };
 
 namespace {
@@ -47,18 +59,6 @@ kernels::Ring ring_of(double* at, int64_t capacity, const std::vector<double>& v
   return r;
 }
 
-kernels::DecideConfig config_of(const Config& c, const LossScaler& scaler) {
-  const SkipConfig& k = c.skip;
-  return {{k.enabled, k.max_grad_norm, k.grad_norm_zscore, k.loss_zscore},
-          k.min_history,
-          c.training.max_norm,
-          scaler.rule(),
-          c.training.loss_scale_max_overflows,
-          c.training.loss_scale_min,
-          k.max_consecutive,
-          k.max_fraction,
-          k.fraction_window};
-}
 
 at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
   return at::empty({static_cast<int64_t>(n)},
@@ -69,7 +69,7 @@ at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
 
 DeviceDecision::DeviceDecision(const Config& c, c10::Device device, const SkipDetector& detector,
                                const LossScaler& scaler, const TrainState& st)
-    : device_(device), config_(config_of(c, scaler)) {
+    : device_(device), config_(decide_config(c.skip, c.training)) {
   const int64_t window = c.skip.window, fraction = c.skip.fraction_window;
   // The host's state laid out as the device's: rings first, then the struct pointing into them.
   std::vector<double> rings(kernels::decide_state_doubles(window, fraction), 0.0);
@@ -104,13 +104,12 @@ DeviceDecision::DeviceDecision(const Config& c, c10::Device device, const SkipDe
                               {}, at::TensorOptions().dtype(at::kDouble).device(device));
   const bool pinned = device.is_cuda();
   for (auto& slot : slots_) {
-    slot = std::make_unique<Slot>();
+    slot = std::make_unique<Slot>(device.type());
     slot->result = bytes_on(device, sizeof(kernels::DecideResult));
     slot->flags = at::empty({2}, at::TensorOptions().dtype(at::kFloat).device(device));
     slot->result_host = bytes_on(c10::kCPU, sizeof(kernels::DecideResult), pinned);
     slot->flags_host =
         at::empty({2}, at::TensorOptions().dtype(at::kFloat).pinned_memory(pinned));
-    if (pinned) slot->copied = c10::Event(c10::DeviceType::CUDA);
   }
 }
 
@@ -145,11 +144,7 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& table, int64_t s
   slot.table_host.copy_(t, async);
   slot.result_host.copy_(slot.result, async);
   slot.flags_host.copy_(slot.flags, async);
-  if (async) {
-    slot.copied.record(
-        c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
-    slot.recorded = true;
-  }
+  if (async) slot.copied.record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
   slot.step = step;
   return {slot.flags.select(0, 0), slot.flags.select(0, 1)};
 }
@@ -160,7 +155,7 @@ DeviceDecision::Late DeviceDecision::read(int64_t step) {
     throw std::logic_error(fmt::format("device decision: step {} is not among the last two "
                                        "decided (slot holds {})",
                                        step, slot.step));
-  if (slot.recorded) slot.copied.synchronize();
+  if (device_.is_cuda()) slot.copied.synchronize();
   Late late;
   const int64_t world = slot.table_host.size(0);
   late.table.resize(static_cast<size_t>(world));

@@ -31,6 +31,10 @@
 
 namespace lockstep {
 
+// The shared core's config from the run's: thresholds, guards, the clip (training.max_norm)
+// and the loss-scale rule and guards.
+kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);
+
 // Whether this run decides on the device: skip.device_decision = "on" (checked by the config),
 // or "auto" on a GPU with a config that has a device form.
 bool decides_on_device(const Config& c, c10::Device device);
