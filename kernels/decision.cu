@@ -1,6 +1,8 @@
-// The step decision's shared core (kernels/decision.h) as a one-thread kernel: a few hundred
-// fp64 operations over a [W, 8] table and two windows, launched on the step's stream, so the
-// verdict, found_inf and grad_scale are written on the device without a host round trip.
+// The step decision's shared core (kernels/decision.h) as one small kernel: a few hundred fp64
+// operations on one thread over a [W, 8] table and the windows (each rank's own read only on an
+// anomalous step), then each rank's windows advanced by a thread of its own; launched on the
+// step's stream, so the verdict, found_inf and grad_scale are written on the device without a
+// host round trip.
 // Compiled with --fmad=false (CMakeLists.txt): no FMA contraction, so the device computes the
 // host's bits.
 #include <cuda_runtime.h>
@@ -13,7 +15,10 @@ namespace {
 __global__ void decide_kernel(const double* table, int world, DecideState* state,
                               DecideConfig config, DecideResult* out, float* found_inf,
                               float* grad_scale) {
-  decide_step(table, world, *state, config, *out, found_inf, grad_scale);
+  if (threadIdx.x == 0) decide_global(table, world, *state, config, *out, found_inf, grad_scale);
+  __syncthreads();  // the outcome, in global memory, is seen by the whole block
+  for (int r = static_cast<int>(threadIdx.x); r < world; r += static_cast<int>(blockDim.x))
+    record_rank(*state, config, table, *out, r);
 }
 
 }  // namespace
@@ -21,8 +26,10 @@ __global__ void decide_kernel(const double* table, int world, DecideState* state
 int launch_decide_step(const double* table, int world, DecideState* state,
                        const DecideConfig& config, DecideResult* out, float* found_inf,
                        float* grad_scale, void* stream) {
-  decide_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(table, world, state, config, out,
-                                                                  found_inf, grad_scale);
+  const int threads = world < 32 ? 32 : world < 256 ? (world + 31) / 32 * 32 : 256;
+  decide_kernel<<<1, threads, 0, static_cast<cudaStream_t>(stream)>>>(table, world, state, config,
+                                                                        out, found_inf,
+                                                                        grad_scale);
   return static_cast<int>(cudaGetLastError());
 }
 

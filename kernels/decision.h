@@ -1,10 +1,12 @@
 // The numeric core of the step decision, framework-free and written once: the host decision
-// (src/decide/detector.cpp, loss_scale.cpp, optim/adamw.cpp's clip) calls these functions, and
-// kernels/decision.cu runs the same ones as a one-thread kernel on the device, so the two cannot
-// drift apart. It is what a step needs to be decided without the host when nothing is wrong:
-// the global numbers reduced in rank order, the z-scores over the rolling windows, the
-// threshold reasons, the clip coefficient, the guards' counts and the loss-scale update. Scope,
-// culprits, causes and events stay on the host: only an anomalous step needs them.
+// (src/decide/detector.cpp, scope.cpp, loss_scale.cpp, the trainer's clip) calls these
+// functions, and kernels/decision.cu runs the same ones as a kernel on the device, so the two
+// cannot drift apart. It is what a step needs to be decided without the host: the global
+// numbers reduced in rank order, the z-scores over the rolling windows (the global ones and each
+// rank's own), the threshold reasons, the anomaly's scope (a minority of ranks, or most of
+// them) and the policy it selects (skip, clip to the window's bound, abort), the clip
+// coefficient, the guards' counts and the loss-scale update. Culprit names, causes and events
+// stay on the host: only an anomalous step needs them, a step later.
 //
 // Bit-for-bit agreement between host and device: the same operations in the same order, fp64
 // throughout, and no contraction into FMAs (decision.cu is compiled with --fmad=false; the host
@@ -160,6 +162,124 @@ LOCKSTEP_HD inline double clip_coefficient(double total_norm, double max_norm) {
   return min_of(1.0, max_norm / (total_norm + 1e-6));
 }
 
+// The limit a taken step is clipped to: training.max_norm, or a clip decision's bound
+// (`clip_to` > 0) when that is lower.
+LOCKSTEP_HD inline double clip_limit(double clip_to, double max_norm) {
+  return clip_to > 0 && (max_norm <= 0 || clip_to < max_norm) ? clip_to : max_norm;
+}
+
+// The largest value a window accepts, mean + z * std, once it holds min_history values; else v.
+template <class At>
+LOCKSTEP_HD double window_bounded(const At& at, int64_t n, double v, double z,
+                                  int64_t min_history) {
+  if (n < min_history || z <= 0 || !std::isfinite(v)) return v;
+  return min_of(v, window_mean(at, n) + z * window_stddev(at, n));
+}
+
+// ---- scope: a minority of ranks, or most of them --------------------------------------------
+
+// One rank's own values against its own windows: why it stands out (kNonfiniteGrad,
+// kNonfiniteLoss, kGradNormSpike, kLossSpike), whether its own samples name themselves, and its
+// z-scores (NaN while its windows hold fewer than min_history values). `row`: the rank's
+// stats; `scale`: the loss scale its gradient carries; `gn`/`ls`: its windows.
+struct RankFinding {
+  uint32_t reasons = 0;
+  bool samples = false;
+  double grad_norm_z = 0, loss_z = 0;
+};
+
+template <class GAt, class LAt>
+LOCKSTEP_HD RankFinding rank_finding(const double* row, double scale, const GAt& gn,
+                                     int64_t gn_size, const LAt& ls, int64_t ls_size,
+                                     int64_t min_history, const Thresholds& t) {
+  RankFinding f;
+  f.grad_norm_z = f.loss_z = nan_value();
+  const double loss = row[kLoss];
+  if (row[kLocalNonfinite] > 0) f.reasons |= kNonfiniteGrad;
+  if (!std::isfinite(loss) || row[kBadSamples] > 0) f.reasons |= kNonfiniteLoss;
+  f.samples = row[kBadSamples] > 0;
+  if (ls_size < min_history) return f;
+  const double g = norm_of(row[kLocalNonfinite], row[kLocalSumsq]) / scale;
+  if (std::isfinite(g)) f.grad_norm_z = window_zscore(gn, gn_size, g);
+  if (std::isfinite(loss)) f.loss_z = window_zscore(ls, ls_size, loss);
+  if (t.grad_norm_zscore > 0 && f.grad_norm_z > t.grad_norm_zscore) f.reasons |= kGradNormSpike;
+  if (t.loss_zscore > 0 && f.loss_z > t.loss_zscore) f.reasons |= kLossSpike;
+  return f;
+}
+
+// A local anomaly: some ranks stand out, at most half of them (or samples name themselves).
+LOCKSTEP_HD inline bool is_local(int outliers, int world, bool sample_evidence) {
+  return outliers > 0 && (sample_evidence || 2 * outliers <= world);
+}
+
+// Sorts v[0, n) ascending (a heap sort: one thread, no allocation).
+LOCKSTEP_HD inline void sort_ascending(double* v, int n) {
+  const auto sift = [v](int root, int end) {
+    while (2 * root + 1 < end) {
+      int child = 2 * root + 1;
+      if (child + 1 < end && v[child] < v[child + 1]) ++child;
+      if (!(v[root] < v[child])) return;
+      const double t = v[root];
+      v[root] = v[child];
+      v[child] = t;
+      root = child;
+    }
+  };
+  for (int i = n / 2 - 1; i >= 0; --i) sift(i, n);
+  for (int end = n - 1; end > 0; --end) {
+    const double t = v[0];
+    v[0] = v[end];
+    v[end] = t;
+    sift(0, end);
+  }
+}
+
+// The median of the others' values (the ((n - 1) / 2)-th smallest of the n - 1 others) for the
+// rank whose value is `v`, from all n values sorted.
+LOCKSTEP_HD inline double median_of_others(const double* sorted, int n, double v) {
+  int lo = 0, hi = n;  // the first position holding v: the one taken out
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (sorted[mid] < v) lo = mid + 1;
+    else hi = mid;
+  }
+  const int k = (n - 1) / 2;
+  return lo > k ? sorted[k] : sorted[k + 1];
+}
+
+// Before the windows fill (skip.max_grad_norm acts from the first step): the ranks whose own
+// gradient norm exceeds 4x the median of the others' (squared: 16x). `flag(r)` is called for
+// each, in rank order; returns how many. `scratch`: `world` doubles.
+template <class Stat, class Flag>
+LOCKSTEP_HD int cross_rank_outliers(const Stat& stat, int world, double* scratch,
+                                    const Flag& flag) {
+  if (world < 2) return 0;
+  for (int i = 0; i < world; ++i) scratch[i] = stat(i, kLocalSumsq);
+  sort_ascending(scratch, world);
+  int n = 0;
+  for (int r = 0; r < world; ++r) {
+    const double v = stat(r, kLocalSumsq);
+    if (!(v > 16.0 * median_of_others(scratch, world, v))) continue;
+    flag(r);
+    ++n;
+  }
+  return n;
+}
+
+// What skip.on_global_spike does with an anomaly on most ranks (a nonfinite one is skipped).
+enum GlobalSpike : int32_t { kSpikeClip = 0, kSpikeSkip = 1, kSpikeAbort = 2 };
+
+// A clip decision's bound: the largest global norm the detector accepts (the grad-norm window's
+// mean + z * std, skip.max_grad_norm), 0 when neither applies.
+template <class At>
+LOCKSTEP_HD double spike_clip_to(uint32_t reasons, const At& gn, int64_t n, const Thresholds& t) {
+  double to = inf_value();
+  if (reasons & kGradNormSpike)
+    to = min_of(to, window_mean(gn, n) + t.grad_norm_zscore * window_stddev(gn, n));
+  if (reasons & kGradNormAboveMax) to = min_of(to, t.max_grad_norm);
+  return std::isfinite(to) ? to : 0.0;
+}
+
 // ---- guards -----------------------------------------------------------------------------------
 
 enum Guard : int { kNoGuard = 0, kMaxConsecutive = 1, kMaxFraction = 2 };
@@ -252,31 +372,60 @@ LOCKSTEP_HD inline void ring_push(Ring& r, double v) {
   }
 }
 
-// Everything a decision reads and advances, in device memory: the global windows, the last
-// fraction_window decisions (1 = skipped), the loss scale, the run's counters and the sticky
-// abort.
+// Every rank's own windows in one block of doubles: window i = 2r (rank r's gradient norms)
+// or 2r + 1 (its losses) keeps its head and size (integers, exact as doubles) at meta[2i] and
+// meta[2i + 1] and its values at values[i * capacity, (i + 1) * capacity).
+struct RankWindows {
+  double* meta;
+  double* values;
+  int64_t capacity;
+};
+
+LOCKSTEP_HD inline Ring rank_ring(const RankWindows& w, int rank, int k) {
+  const int64_t i = 2 * rank + k;
+  return {w.values + i * w.capacity, w.capacity, static_cast<int64_t>(w.meta[2 * i]),
+          static_cast<int64_t>(w.meta[2 * i + 1])};
+}
+
+LOCKSTEP_HD inline void rank_ring_push(const RankWindows& w, int rank, int k, double v) {
+  Ring r = rank_ring(w, rank, k);
+  ring_push(r, v);
+  const int64_t i = 2 * rank + k;
+  w.meta[2 * i] = static_cast<double>(r.head);
+  w.meta[2 * i + 1] = static_cast<double>(r.size);
+}
+
+// Everything a decision reads and advances, in device memory: the global windows, each rank's
+// own, the last fraction_window decisions (1 = skipped), the loss scale, the run's counters and
+// the sticky abort.
 struct DecideState {
   Ring grad_norms, losses;
   Ring recent;  // 0 / 1 per decision, oldest first; recent_skips = their sum
+  RankWindows ranks;
+  double* scratch;  // `world` doubles: the cross-rank median's sort
   int64_t recent_skips;
   LossScaleState scale;
-  int64_t consecutive_skips, optimizer_steps, skipped_steps, overflow_skips;
+  int64_t consecutive_skips, optimizer_steps, skipped_steps, overflow_skips, clipped_steps;
   int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
 
-// The doubles a DecideState's rings take: both windows, then the recent decisions.
-inline int64_t decide_state_doubles(int64_t window, int64_t fraction_window) {
-  return 2 * window + fraction_window;
+// The doubles a DecideState's rings take: both global windows, the recent decisions, then each
+// rank's two windows (4 meta doubles and 2 windows per rank) and the scratch.
+inline int64_t decide_state_doubles(int64_t window, int64_t fraction_window, int world) {
+  return 2 * window + fraction_window + world * (4 + 2 * window + 1);
 }
 
-// A fresh state whose rings live in `rings` (decide_state_doubles of them, host or device
-// memory): empty windows, no decisions yet, loss scale `scale`.
+// A fresh state whose rings live in `rings` (decide_state_doubles of them, zero-filled, host or
+// device memory): empty windows, no decisions yet, loss scale `scale`.
 inline DecideState fresh_decide_state(double* rings, int64_t window, int64_t fraction_window,
-                                      double scale) {
+                                      int world, double scale) {
   DecideState s{};
   s.grad_norms = {rings, window, 0, 0};
   s.losses = {rings + window, window, 0, 0};
   s.recent = {rings + 2 * window, fraction_window, 0, 0};
+  double* ranks = rings + 2 * window + fraction_window;
+  s.ranks = {ranks, ranks + 4 * world, window};
+  s.scratch = ranks + 4 * world + 2 * world * window;
   s.scale.scale = scale;
   return s;
 }
@@ -291,26 +440,87 @@ struct DecideConfig {
   int64_t max_consecutive = 0;  // skip guards
   double max_fraction = 0;
   int64_t fraction_window = 0;
+  int32_t on_global_spike = kSpikeSkip;  // GlobalSpike
 };
 
 enum Outcome : int32_t { kTake = 0, kSkipStep = 1, kAbortRun = 2 };
 // Why an abort: a skip guard (Guard), a loss-scale guard (10 + ScaleGuard), skip.enabled =
-// false, or an earlier abort.
-enum AbortWhy : int32_t { kNotAborted = 0, kSkipDisabled = 20, kStickyAbort = 21 };
+// false, an earlier abort, or skip.on_global_spike = "abort".
+enum AbortWhy : int32_t {
+  kNotAborted = 0,
+  kSkipDisabled = 20,
+  kStickyAbort = 21,
+  kGlobalSpikeAbort = 22
+};
 
 // What the host reads a step later (pinned); found_inf and grad_scale go to the fused AdamW
 // now, on the device.
 struct DecideResult {
   double grad_norm, loss, grad_norm_z, loss_z, clip, loss_scale;
+  double clip_to;     // a clip decision's bound (0: none)
   uint32_t reasons;   // kNonfiniteGrad, ... (an overflow: kNonfiniteGrad with `overflow`)
   int32_t outcome;    // Outcome
   int32_t why;        // Guard, 10 + ScaleGuard, or AbortWhy
   int32_t overflow;   // loss scaling on, a nonfinite gradient and every loss finite
+  int32_t clipped;    // taken, clipped: a global spike with skip.on_global_spike = "clip"
   int32_t stop;       // a rank asked all to stop
   int64_t skips_in_window;  // for the max_fraction guard's message
 };
 
-// The numbers and the outcome of one step; `s` is not changed.
+// Whether an anomaly with global `reasons` is on most ranks: from each rank's own values
+// against its own windows, and, when none stands out and the norm is the reason, from the
+// ranks' norms against each other's (writes s.scratch).
+LOCKSTEP_HD inline bool is_global(const double* table, int world, const DecideState& s,
+                                  const DecideConfig& c, uint32_t reasons) {
+  int outliers = 0;
+  bool samples = false;
+  for (int r = 0; r < world; ++r) {
+    const Ring g = rank_ring(s.ranks, r, 0), l = rank_ring(s.ranks, r, 1);
+    const auto gn = [&g](int64_t i) { return ring_at(g, i); };
+    const auto ls = [&l](int64_t i) { return ring_at(l, i); };
+    const RankFinding f = rank_finding(table + r * kStatsDoubles, s.scale.scale, gn, g.size, ls,
+                                       l.size, c.min_history, c.thresholds);
+    samples = samples || f.samples;
+    outliers += f.reasons != 0 ? 1 : 0;
+  }
+  if (outliers > 0 || !(reasons & (kGradNormAboveMax | kGradNormSpike)))
+    return !is_local(outliers, world, samples);
+  const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
+  const int n = cross_rank_outliers(stat, world, s.scratch, [](int) {});
+  return !(n > 0 && 2 * n <= world);
+}
+
+// The outcome of an anomalous step (not an overflow) under the policy: skipped (or aborted by a
+// guard), or, for a global spike, clipped or aborted as skip.on_global_spike says.
+LOCKSTEP_HD inline void apply_policy(const double* table, int world, const DecideState& s,
+                                     const DecideConfig& c, DecideResult& out) {
+  if (!c.thresholds.enabled) {
+    out.outcome = kAbortRun;
+    out.why = kSkipDisabled;
+    return;
+  }
+  const bool nonfinite = (out.reasons & (kNonfiniteGrad | kNonfiniteLoss)) != 0;
+  if (c.on_global_spike != kSpikeSkip && !nonfinite && is_global(table, world, s, c, out.reasons)) {
+    if (c.on_global_spike == kSpikeAbort) {
+      out.outcome = kAbortRun;
+      out.why = kGlobalSpikeAbort;
+      return;
+    }
+    const auto gn = [&s](int64_t i) { return ring_at(s.grad_norms, i); };
+    out.outcome = kTake;
+    out.clipped = 1;
+    out.clip_to = spike_clip_to(out.reasons, gn, s.grad_norms.size, c.thresholds);
+    return;
+  }
+  const bool oldest = s.recent.size > 0 && ring_at(s.recent, 0) != 0;
+  const Guard guard =
+      guard_tripped(s.consecutive_skips, c.max_consecutive, s.recent_skips, s.recent.size, oldest,
+                    c.max_fraction, c.fraction_window, &out.skips_in_window);
+  out.outcome = guard == kNoGuard ? kSkipStep : kAbortRun;
+  out.why = guard;
+}
+
+// The numbers and the outcome of one step; `s` is not changed (but for its scratch).
 LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideState& s,
                                    const DecideConfig& c, DecideResult& out) {
   const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
@@ -323,6 +533,8 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
   out.overflow = c.loss_scale.enabled && g.nonfinite > 0 && !g.loss_nonfinite ? 1 : 0;
   out.why = kNotAborted;
   out.skips_in_window = 0;
+  out.clip_to = 0;
+  out.clipped = 0;
   const bool zscores = s.grad_norms.size >= c.min_history && !out.overflow;
   const auto gn = [&s](int64_t i) { return ring_at(s.grad_norms, i); };
   const auto ls = [&s](int64_t i) { return ring_at(s.losses, i); };
@@ -339,22 +551,17 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
     out.why = sg == kNoScaleGuard ? kNotAborted : 10 + sg;
   } else if (out.reasons == 0) {
     out.outcome = kTake;
-  } else if (!c.thresholds.enabled) {
-    out.outcome = kAbortRun;
-    out.why = kSkipDisabled;
   } else {
-    const bool oldest = s.recent.size > 0 && ring_at(s.recent, 0) != 0;
-    const Guard guard =
-        guard_tripped(s.consecutive_skips, c.max_consecutive, s.recent_skips, s.recent.size,
-                      oldest, c.max_fraction, c.fraction_window, &out.skips_in_window);
-    out.outcome = guard == kNoGuard ? kSkipStep : kAbortRun;
-    out.why = guard;
+    apply_policy(table, world, s, c, out);
   }
-  out.clip = out.outcome == kTake ? clip_coefficient(out.grad_norm, c.max_norm) : 1.0;
+  out.clip = out.outcome == kTake
+                 ? clip_coefficient(out.grad_norm, clip_limit(out.clip_to, c.max_norm))
+                 : 1.0;
 }
 
-// The decided step's effect on the state (as the host's SkipDetector::record, LossScaler::record
-// and the trainer's counters): an abort sets the sticky flag and changes nothing else.
+// The decided step's effect on the global state (as the host's SkipDetector::record,
+// LossScaler::record and the trainer's counters): an abort sets the sticky flag and changes
+// nothing else; a clip enters the windows bounded to their limits.
 LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
                                     const DecideResult& r) {
   if (r.outcome == kAbortRun) {
@@ -372,9 +579,15 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
     ++s.skipped_steps;
   } else {
     s.consecutive_skips = 0;
-    ring_push(s.grad_norms, r.grad_norm);
-    ring_push(s.losses, r.loss);
+    const auto ls = [&s](int64_t i) { return ring_at(s.losses, i); };
+    const double loss = r.clipped ? window_bounded(ls, s.losses.size, r.loss,
+                                                   c.thresholds.loss_zscore, c.min_history)
+                                  : r.loss;
+    ring_push(s.grad_norms, r.clipped && r.clip_to > 0 ? min_of(r.grad_norm, r.clip_to)
+                                                        : r.grad_norm);
+    ring_push(s.losses, loss);
     ++s.optimizer_steps;
+    s.clipped_steps += r.clipped ? 1 : 0;
   }
   if (s.recent.capacity > 0) {
     if (s.recent.size == s.recent.capacity) s.recent_skips -= ring_at(s.recent, 0) != 0 ? 1 : 0;
@@ -384,13 +597,32 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
   loss_scale_record(s.scale, c.loss_scale, false, !skipped);
 }
 
-// One step on the device: STEP, SKIP or ABORT from the exchanged table and the state, as the
-// host decides it with skip.on_global_spike = "skip" and nothing settled before the sync (no
-// salvage, no replay): found_inf = 1 blocks the fused AdamW on a skip or an abort (and on
-// every step after an abort), grad_scale = loss scale / clip.
-LOCKSTEP_HD inline void decide_step(const double* table, int world, DecideState& s,
-                                    const DecideConfig& c, DecideResult& out, float* found_inf,
-                                    float* grad_scale) {
+// A taken step's effect on rank `rank`'s own windows (each rank is independent: the device
+// records them in parallel): its gradient norm and loss enter, bounded on a clip.
+LOCKSTEP_HD inline void record_rank(DecideState& s, const DecideConfig& c, const double* table,
+                                    const DecideResult& r, int rank) {
+  if (r.outcome != kTake || r.overflow) return;
+  const double* row = table + rank * kStatsDoubles;
+  const double values[2] = {norm_of(row[kLocalNonfinite], row[kLocalSumsq]) / r.loss_scale,
+                            row[kLoss]};
+  const double zs[2] = {c.thresholds.grad_norm_zscore, c.thresholds.loss_zscore};
+  for (int k = 0; k < 2; ++k) {
+    const Ring w = rank_ring(s.ranks, rank, k);
+    const auto at = [&w](int64_t i) { return ring_at(w, i); };
+    rank_ring_push(s.ranks, rank, k,
+                   r.clipped ? window_bounded(at, w.size, values[k], zs[k], c.min_history)
+                             : values[k]);
+  }
+}
+
+// One step's decision and its effect on the global state (the device runs it on one thread,
+// then record_rank on one thread per rank): STEP, SKIP, CLIP or ABORT from the exchanged table
+// and the state, as the host decides it with nothing settled before the sync (no salvage, no
+// replay): found_inf = 1 blocks the fused AdamW on a skip or an abort (and on every step
+// after an abort), grad_scale = loss scale / clip.
+LOCKSTEP_HD inline void decide_global(const double* table, int world, DecideState& s,
+                                      const DecideConfig& c, DecideResult& out, float* found_inf,
+                                      float* grad_scale) {
   if (s.aborted) {
     out = DecideResult{};
     out.outcome = kAbortRun;
@@ -407,9 +639,17 @@ LOCKSTEP_HD inline void decide_step(const double* table, int world, DecideState&
   record_step(s, c, out);
 }
 
-// decide_step as a one-thread kernel on `stream` (a cudaStream_t); every pointer is device
-// memory, `state`'s rings included. Returns a cudaError_t as int (0 = launched). CUDA builds
-// only (kernels/decision.cu).
+// The whole step on one thread (the host's form of the device's kernel).
+LOCKSTEP_HD inline void decide_step(const double* table, int world, DecideState& s,
+                                    const DecideConfig& c, DecideResult& out, float* found_inf,
+                                    float* grad_scale) {
+  decide_global(table, world, s, c, out, found_inf, grad_scale);
+  for (int r = 0; r < world; ++r) record_rank(s, c, table, out, r);
+}
+
+// decide_step as a kernel on `stream` (a cudaStream_t): decide_global on one thread, then
+// record_rank on one thread per rank; every pointer is device memory, `state`'s rings
+// included. Returns a cudaError_t as int (0 = launched). CUDA builds only (kernels/decision.cu).
 int launch_decide_step(const double* table, int world, DecideState* state,
                        const DecideConfig& config, DecideResult* out, float* found_inf,
                        float* grad_scale, void* stream);

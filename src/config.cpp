@@ -432,8 +432,8 @@ void skip_fields(std::vector<Field>& t) {
   t.push_back(choice_field("skip", "device_decision", &C::skip, &S::device_decision,
                            "decide each step on the device and read the verdict a step later "
                            "(no host sync on a clean step): auto = on GPUs when the settings "
-                           "allow it (on_global_spike = \"skip\", scope = \"step\", no replay, "
-                           "lr on_skip = \"advance\"); on (also on CPUs); off"));
+                           "allow it (scope = \"step\", no replay or probe, lr on_skip = "
+                           "\"advance\"); on (also on CPUs); off"));
 }
 
 void diagnostics_and_fault_fields(std::vector<Field>& t) {
@@ -891,8 +891,6 @@ Config load_config(std::string_view toml_text, const std::string& origin,
 }
 
 std::string device_decision_blocker(const Config& c) {
-  if (c.skip.on_global_spike != OnGlobalSpike::kSkip)
-    return fmt::format("skip.on_global_spike = \"{}\"", name_of(c.skip.on_global_spike));
   if (c.skip.scope != SkipScope::kStep)
     return fmt::format("skip.scope = \"{}\"", name_of(c.skip.scope));
   if (c.skip.replay != Replay::kOff)

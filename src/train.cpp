@@ -90,10 +90,8 @@ void update(Job& job, double lr, const UpdateControl& control) {
 // lower bound); the loss scale is divided out in the same pass (grad_scale = scale / clip).
 double clip_of(const Job& job, const Verdict& v) {
   if (v.decision == Decision::kSkip) return 1.0;
-  const double max_norm = job.config.training.max_norm;
-  const double limit = v.clip_to > 0 && (max_norm <= 0 || v.clip_to < max_norm) ? v.clip_to
-                                                                                 : max_norm;
-  return clip_coefficient(v.grad_norm, limit);
+  return clip_coefficient(v.grad_norm,
+                          kernels::clip_limit(v.clip_to, job.config.training.max_norm));
 }
 
 // One step, 1-based `step`, at learning rate `lr`, decided on the host.
@@ -199,8 +197,8 @@ TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
   if (decides_on_device(job.config, job.device))
-    job.decision = std::make_unique<DeviceDecision>(job.config, job.device, *job.detector,
-                                                    *job.scaler, job.state);
+    job.decision = std::make_unique<DeviceDecision>(job.config, job.device, job.ranks.world_size,
+                                                    *job.detector, *job.scaler, job.state);
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
                      job.tokens_per_step, job.config.metrics.log_freq, job.scaler->enabled(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,

@@ -46,8 +46,9 @@ inline void warm_up(SkipDetector& d, int n, double norm = 1.0, double loss = 3.0
 }
 
 // One step's table, the gradient carrying loss scale `scale`: every rank healthy with jitter,
-// and now and then a fault on one rank: a nonfinite gradient element, a nonfinite loss, a
-// gradient spike or a loss spike.
+// and now and then a fault on one rank (a nonfinite gradient element, a nonfinite loss, a
+// gradient spike in the synced shard alone or in its own norm too, a loss spike) or a gradient
+// spike on every rank.
 inline std::vector<RankStats> random_step(std::mt19937_64& rng, int world, double scale) {
   std::uniform_real_distribution<double> u(0, 1);
   std::vector<RankStats> t(static_cast<size_t>(world));
@@ -63,6 +64,9 @@ inline std::vector<RankStats> random_step(std::mt19937_64& rng, int world, doubl
   else if (p < 0.05) bad.loss = std::numeric_limits<double>::quiet_NaN();
   else if (p < 0.09) bad.shard_sumsq *= 2500;
   else if (p < 0.12) bad.loss *= 4;
+  else if (p < 0.14) bad.local_sumsq *= 2500, bad.shard_sumsq *= 2500;  // its own norm too
+  else if (p < 0.17)  // on every rank: the model, not a batch
+    for (auto& r : t) r.shard_sumsq *= 100, r.local_sumsq *= 100;
   return t;
 }
 

@@ -104,16 +104,15 @@ TEST(GpuTraining, LlamaInBf16WithValidationAndMfu) {
 }
 
 // A NaN gradient on the GPU is skipped; three in a row trip skip.max_consecutive = 2, and the
-// job aborts (exit 4) naming the guard. Decided on the host, then on the device (with
-// on_global_spike = "skip", skip.device_decision "auto" takes it; log steps every 4th, so
-// steps 5 to 7 are read a step late).
-TEST(GpuTraining, SkipAndAbortOnOneGpu) {
+// job aborts (exit 4) naming the guard; a spike on the one rank (the model, not a batch) is taken
+// clipped. Decided on the host, then on the device (log steps every 4th, so most steps are read a
+// step late).
+TEST(GpuTraining, SkipClipAndAbortOnOneGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   for (const std::string where : {"host", "device"}) {
     SCOPED_TRACE(where);
     const std::string policy = where == "device"
-                                   ? "--skip.on_global_spike skip --metrics.log_freq 4 "
-                                     "--skip.device_decision on "
+                                   ? "--metrics.log_freq 4 --skip.device_decision on "
                                    : "--skip.device_decision off ";
     test::TempDir dir;
     auto s = test::capture(std::string(LOCKSTEP_BIN) + " " +
@@ -122,6 +121,14 @@ TEST(GpuTraining, SkipAndAbortOnOneGpu) {
     const auto m = last_step_record(dir / "skip");
     EXPECT_EQ(m["skipped_steps"], 1) << "the NaN of step 5 and nothing else";
     EXPECT_EQ(m["step"], 12);
+    auto c = test::capture(std::string(LOCKSTEP_BIN) + " " +
+                           train_args(dir / "clip", policy +
+                                                    "--skip.min_history 4 --fault.spike_factor "
+                                                    "50 --fault.inject 'spike@9:0'"));
+    ASSERT_EQ(c.code, 0) << c.out;
+    const auto k = last_step_record(dir / "clip");
+    EXPECT_GE(k["clipped_steps"], 1) << "the spike of step 9";
+    EXPECT_EQ(k["skipped_steps"], 0);
     auto a = test::capture(std::string(LOCKSTEP_BIN) + " " +
                            train_args(dir / "abort", policy +
                                                      "--skip.max_consecutive 2 --fault.inject "
@@ -133,20 +140,21 @@ TEST(GpuTraining, SkipAndAbortOnOneGpu) {
 }
 
 // c10's sync debug mode set to error around every step after the first two (SyncWatch): a host
-// sync in any of 50 clean, non-log steps of real training, decided on the device
-// (skip.on_global_spike = "skip": skip.device_decision "auto" takes it), fails the run. fp32
-// and bf16.
+// sync in any of 50 clean, non-log steps of real training, decided on the device (the default
+// skip.device_decision "auto"), fails the run. Skip on (the default policy) in fp32 and bf16,
+// and skip off.
 TEST(GpuTraining, CleanStepsDoNotSyncTheHost) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
-  for (const char* precision : {"float32", "bfloat16"}) {
-    SCOPED_TRACE(precision);
+  for (const char* side : {"--skip.enabled true --training.mixed_precision_param float32",
+                           "--skip.enabled true --training.mixed_precision_param bfloat16",
+                           "--skip.enabled false"}) {
+    SCOPED_TRACE(side);
     test::TempDir dir;
     auto r = test::capture(
         "LOCKSTEP_CUDA_SYNC_DEBUG=error TORCH_SHOW_CPP_STACKTRACES=1 " + std::string(LOCKSTEP_BIN) +
         " train --training.device cuda --training.steps 52 --metrics.log_freq 1000 "
-        "--checkpoint.enable false --skip.enabled true --skip.on_global_spike skip "
-        "--training.mixed_precision_param " +
-        precision + " --job.dump_folder " + dir / "run");
+        "--checkpoint.enable false " +
+        side + " --job.dump_folder " + dir / "run");
     EXPECT_EQ(r.code, 0) << r.out;
   }
 }

@@ -1,7 +1,8 @@
 // The decision's shared core (kernels/decision.h): decide_step, the form the device runs, takes
-// the host's decisions bit for bit over long random runs with faults, guards and fp16 loss
-// scaling (SkipDetector with skip.on_global_spike = "skip", LossScaler, the trainer's
-// counters), and an abort is sticky. And the exchanged row built where the tensors live is the
+// the host's decisions bit for bit over long random runs with faults on one rank and spikes on
+// all, guards and fp16 loss scaling, under each skip.on_global_spike (SkipDetector, LossScaler,
+// the trainer's clip and counters; the global and every rank's windows), and an abort is
+// sticky. And the exchanged row built where the tensors live is the
 // host's.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
@@ -25,18 +26,23 @@ namespace {
 
 bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
+std::vector<double> values(const kernels::Ring& r) {
+  std::vector<double> out;
+  for (int64_t i = 0; i < r.size; ++i) out.push_back(kernels::ring_at(r, i));
+  return out;
+}
+
+std::vector<double> values(const Window& w) {
+  return std::vector<double>(w.values().begin(), w.values().end());
+}
+
 // A device-style state: its rings in a host vector.
 struct DeviceState {
   std::vector<double> rings;
   kernels::DecideState s;
-  DeviceState(int64_t window, int64_t fraction_window, double scale)
-      : rings(kernels::decide_state_doubles(window, fraction_window)),
-        s(kernels::fresh_decide_state(rings.data(), window, fraction_window, scale)) {}
-  static std::vector<double> values(const kernels::Ring& r) {
-    std::vector<double> out;
-    for (int64_t i = 0; i < r.size; ++i) out.push_back(kernels::ring_at(r, i));
-    return out;
-  }
+  DeviceState(int64_t window, int64_t fraction_window, int world, double scale)
+      : rings(kernels::decide_state_doubles(window, fraction_window, world), 0.0),
+        s(kernels::fresh_decide_state(rings.data(), window, fraction_window, world, scale)) {}
 };
 
 // The host guard's name for the core's `why`.
@@ -47,6 +53,7 @@ std::string guard_prefix(int32_t why) {
     case 10 + kernels::kMaxOverflows: return "training.loss_scale_max_overflows";
     case 10 + kernels::kScaleMin: return "training.loss_scale_min";
     case kernels::kSkipDisabled: return "skip.enabled = false";
+    case kernels::kGlobalSpikeAbort: return "skip.on_global_spike = abort";
     default: return "";
   }
 }
@@ -54,7 +61,92 @@ std::string guard_prefix(int32_t why) {
 struct Policy {
   bool enabled;
   const char* scaling;
+  OnGlobalSpike on_global_spike;
 };
+
+struct Counts {
+  int taken = 0, skipped = 0, clipped = 0, aborted = 0, global_aborts = 0, overflows = 0;
+};
+
+// The device's windows, guards, loss scale and counters are the host's.
+void expect_same_state(const DeviceState& dev, const SkipDetector& detector,
+                       const LossScaler& scaler, const TrainState& st, const std::string& at) {
+  EXPECT_EQ(values(dev.s.grad_norms), values(detector.grad_norms())) << at;
+  EXPECT_EQ(values(dev.s.losses), values(detector.losses())) << at;
+  const auto& rg = detector.rank_grad_norms();
+  const auto& rl = detector.rank_losses();
+  for (size_t r = 0; r < rl.size(); ++r) {
+    const int rank = static_cast<int>(r);
+    EXPECT_EQ(values(kernels::rank_ring(dev.s.ranks, rank, 0)), values(rg[r])) << at << " " << r;
+    EXPECT_EQ(values(kernels::rank_ring(dev.s.ranks, rank, 1)), values(rl[r])) << at << " " << r;
+  }
+  EXPECT_TRUE(same_bits(dev.s.scale.scale, scaler.scale())) << at;
+  EXPECT_EQ(dev.s.scale.consecutive_overflows, scaler.consecutive_overflows()) << at;
+  EXPECT_EQ(dev.s.consecutive_skips, detector.consecutive_skips()) << at;
+  EXPECT_EQ(dev.s.optimizer_steps, st.optimizer_steps) << at;
+  EXPECT_EQ(dev.s.skipped_steps, st.skipped_steps) << at;
+  EXPECT_EQ(dev.s.overflow_skips, st.overflow_skips) << at;
+  EXPECT_EQ(dev.s.clipped_steps, st.clipped_steps) << at;
+}
+
+// One step decided both ways; false after an abort (the run ends).
+bool decide_both(const std::vector<RankStats>& table, SkipDetector& detector, LossScaler& scaler,
+                 DeviceState& dev, TrainState& st, const TrainingConfig& training,
+                 const kernels::DecideConfig& config, Counts& n, const std::string& at) {
+  const int world = static_cast<int>(table.size());
+  const Verdict v = detector.decide(table, scaler);
+  std::vector<double> flat(table.size() * kernels::kStatsDoubles);
+  std::memcpy(flat.data(), table.data(), flat.size() * sizeof(double));
+  kernels::DecideResult r{};
+  float found_inf = -1, grad_scale = -1;
+  kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
+
+  EXPECT_TRUE(same_bits(r.grad_norm, v.grad_norm)) << at;
+  EXPECT_TRUE(same_bits(r.loss, v.loss)) << at;
+  EXPECT_TRUE(same_bits(r.grad_norm_z, v.grad_norm_z)) << at;
+  EXPECT_TRUE(same_bits(r.loss_z, v.loss_z)) << at;
+  EXPECT_TRUE(same_bits(r.loss_scale, v.loss_scale)) << at;
+  EXPECT_EQ(r.overflow != 0, v.overflow) << at;
+  const Decision want = r.outcome == kernels::kTake ? (r.clipped ? Decision::kClip : Decision::kStep)
+                        : r.outcome == kernels::kSkipStep ? Decision::kSkip
+                                                          : Decision::kAbort;
+  EXPECT_EQ(decision_name(want), std::string(decision_name(v.decision))) << at;
+  const bool take = v.decision == Decision::kStep || v.decision == Decision::kClip;
+  EXPECT_EQ(found_inf, take ? 0.0f : 1.0f) << at;
+  if (v.decision == Decision::kAbort) {
+    EXPECT_FALSE(guard_prefix(r.why).empty()) << at << ": why " << r.why;
+    EXPECT_EQ(v.guard.rfind(guard_prefix(r.why), 0), 0u) << at << ": " << v.guard;
+    // Sticky: whatever comes next, nothing is updated.
+    kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
+    EXPECT_EQ(r.outcome, kernels::kAbortRun) << at;
+    EXPECT_EQ(r.why, kernels::kStickyAbort) << at;
+    EXPECT_EQ(found_inf, 1.0f) << at;
+    ++n.aborted;
+    n.global_aborts += v.guard == "skip.on_global_spike = abort";
+    return false;
+  }
+  // The trainer's clip (train.cpp's clip_of).
+  const double clip =
+      take ? clip_coefficient(v.grad_norm, kernels::clip_limit(v.clip_to, training.max_norm))
+           : 1.0;
+  EXPECT_TRUE(same_bits(r.clip_to, v.clip_to)) << at;
+  EXPECT_TRUE(same_bits(r.clip, clip)) << at;
+  EXPECT_EQ(grad_scale, static_cast<float>(v.loss_scale / clip)) << at;
+  // The host records the agreed step as the trainer does; the device did the same.
+  const bool skip = v.decision == Decision::kSkip;
+  detector.record(v);
+  scaler.record(v.overflow, !skip);
+  st.optimizer_steps += skip ? 0 : 1;
+  st.skipped_steps += skip && !v.overflow ? 1 : 0;
+  st.overflow_skips += v.overflow ? 1 : 0;
+  st.clipped_steps += v.decision == Decision::kClip ? 1 : 0;
+  n.taken += skip ? 0 : 1;
+  n.skipped += skip ? 1 : 0;
+  n.clipped += v.decision == Decision::kClip ? 1 : 0;
+  n.overflows += v.overflow ? 1 : 0;
+  expect_same_state(dev, detector, scaler, st, at);
+  return true;
+}
 
 }  // namespace
 
@@ -62,10 +154,12 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
   std::mt19937_64 rng(20261204);
   for (int world : {1, 2, 3, 4, 8})
     for (const Policy policy :
-         {Policy{true, "none"}, Policy{true, "dynamic"}, Policy{false, "none"}}) {
+         {Policy{true, "none", OnGlobalSpike::kClip}, Policy{true, "dynamic", OnGlobalSpike::kClip},
+          Policy{true, "none", OnGlobalSpike::kSkip}, Policy{true, "none", OnGlobalSpike::kAbort},
+          Policy{false, "none", OnGlobalSpike::kClip}}) {
       SkipConfig cfg;
       cfg.enabled = policy.enabled;
-      cfg.on_global_spike = OnGlobalSpike::kSkip;
+      cfg.on_global_spike = policy.on_global_spike;
       cfg.window = 32;
       cfg.min_history = 8;
       cfg.max_grad_norm = 40;
@@ -78,87 +172,41 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       training.loss_scale_growth_interval = 7;
       training.loss_scale_min = 128;
       training.max_norm = 1.0;
-      const double max_norm = training.max_norm;
-      const bool dynamic = std::string(policy.scaling) == "dynamic";
       // The trainer's mapping of the config (the device decision uses the same).
       const kernels::DecideConfig config = decide_config(cfg, training);
-      int taken = 0, skipped = 0, aborted = 0, overflows = 0;
-      for (int run = 0; run < 40 && taken < 2000; ++run) {  // a fresh run after every abort
+      const std::string what = std::to_string(world) + " ranks, skip " +
+                               (policy.enabled ? "on, " : "off, ") + policy.scaling + ", " +
+                               std::string(name_of(policy.on_global_spike));
+      Counts n;
+      for (int run = 0; run < 40 && n.taken < 2000; ++run) {  // a fresh run after every abort
         SkipDetector detector(cfg);
         LossScaler scaler(training);
-        DeviceState dev(cfg.window, cfg.fraction_window, scaler.scale());
-        int64_t optimizer_steps = 0, skipped_steps = 0, overflow_skips = 0;
+        DeviceState dev(cfg.window, cfg.fraction_window, world, scaler.scale());
+        TrainState st;
         for (int step = 1; step <= 400; ++step) {
-          const std::string at = std::to_string(world) + " ranks, skip " +
-                                 (policy.enabled ? "on, " : "off, ") + policy.scaling + ", run " +
-                                 std::to_string(run) + ", step " + std::to_string(step);
-          const std::vector<RankStats> table = test::random_step(rng, world, scaler.scale());
-          const Verdict v = detector.decide(table, scaler);
-          std::vector<double> flat(table.size() * kernels::kStatsDoubles);
-          std::memcpy(flat.data(), table.data(), flat.size() * sizeof(double));
-          kernels::DecideResult r{};
-          float found_inf = -1, grad_scale = -1;
-          kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
-
-          ASSERT_TRUE(same_bits(r.grad_norm, v.grad_norm)) << at;
-          ASSERT_TRUE(same_bits(r.loss, v.loss)) << at;
-          ASSERT_TRUE(same_bits(r.grad_norm_z, v.grad_norm_z)) << at;
-          ASSERT_TRUE(same_bits(r.loss_z, v.loss_z)) << at;
-          ASSERT_TRUE(same_bits(r.loss_scale, v.loss_scale)) << at;
-          ASSERT_EQ(r.overflow != 0, v.overflow) << at;
-          const Decision want = r.outcome == kernels::kTake       ? Decision::kStep
-                                : r.outcome == kernels::kSkipStep ? Decision::kSkip
-                                                                  : Decision::kAbort;
-          ASSERT_EQ(decision_name(want), std::string(decision_name(v.decision))) << at;
-          ASSERT_EQ(found_inf, v.decision == Decision::kStep ? 0.0f : 1.0f) << at;
-          if (v.decision == Decision::kAbort) {
-            ASSERT_FALSE(guard_prefix(r.why).empty()) << at << ": why " << r.why;
-            ASSERT_EQ(v.guard.rfind(guard_prefix(r.why), 0), 0u) << at << ": " << v.guard;
-            // Sticky: whatever comes next, nothing is updated.
-            kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
-            ASSERT_EQ(r.outcome, kernels::kAbortRun) << at;
-            ASSERT_EQ(r.why, kernels::kStickyAbort) << at;
-            ASSERT_EQ(found_inf, 1.0f) << at;
-            ++aborted;
-            break;
-          }
-          const double clip =
-              v.decision == Decision::kStep ? clip_coefficient(v.grad_norm, max_norm) : 1.0;
-          ASSERT_TRUE(same_bits(r.clip, clip)) << at;
-          ASSERT_EQ(grad_scale, static_cast<float>(v.loss_scale / clip)) << at;
-          // The host records the agreed step as the trainer does; the device did the same.
-          const bool skip = v.decision == Decision::kSkip;
-          detector.record(v);
-          scaler.record(v.overflow, !skip);
-          optimizer_steps += skip ? 0 : 1;
-          skipped_steps += skip && !v.overflow ? 1 : 0;
-          overflow_skips += v.overflow ? 1 : 0;
-          taken += skip ? 0 : 1;
-          skipped += skip ? 1 : 0;
-          overflows += v.overflow ? 1 : 0;
-          const auto& w = detector.grad_norms().values();
-          ASSERT_EQ(DeviceState::values(dev.s.grad_norms), std::vector<double>(w.begin(), w.end()))
-              << at;
-          const auto& l = detector.losses().values();
-          ASSERT_EQ(DeviceState::values(dev.s.losses), std::vector<double>(l.begin(), l.end()))
-              << at;
-          ASSERT_TRUE(same_bits(dev.s.scale.scale, scaler.scale())) << at;
-          ASSERT_EQ(dev.s.scale.consecutive_overflows, scaler.consecutive_overflows()) << at;
-          ASSERT_EQ(dev.s.consecutive_skips, detector.consecutive_skips()) << at;
-          ASSERT_EQ(dev.s.optimizer_steps, optimizer_steps) << at;
-          ASSERT_EQ(dev.s.skipped_steps, skipped_steps) << at;
-          ASSERT_EQ(dev.s.overflow_skips, overflow_skips) << at;
+          const std::string at = what + ", run " + std::to_string(run) + ", step " +
+                                 std::to_string(step);
+          const auto table = test::random_step(rng, world, scaler.scale());
+          if (!decide_both(table, detector, scaler, dev, st, training, config, n, at)) break;
+          if (HasFailure()) FAIL() << "first difference: " << at;
         }
       }
-      // Every path was taken: steps, skips, aborts (and overflows with loss scaling).
-      const std::string what = std::to_string(world) + " ranks, " + policy.scaling;
-      EXPECT_GT(taken, 300) << what;
-      EXPECT_GT(aborted, 3) << what;
+      // Every path was taken: steps, skips, clips, aborts (and overflows with loss scaling).
+      EXPECT_GT(n.taken, 300) << what;
+      // One rank's spike is global: clipped, so only nonfinite steps are skipped and can abort.
+      const bool all_global = world == 1 && policy.on_global_spike == OnGlobalSpike::kClip;
+      EXPECT_GT(n.aborted, all_global ? 0 : 3) << what;
       if (policy.enabled) {
-        EXPECT_GT(skipped, 20) << what;
+        EXPECT_GT(n.skipped, 20) << what;
       }
-      if (dynamic) {
-        EXPECT_GT(overflows, 5) << what;
+      if (policy.enabled && policy.on_global_spike == OnGlobalSpike::kClip && world > 1) {
+        EXPECT_GT(n.clipped, 10) << what;
+      }
+      if (policy.enabled && policy.on_global_spike == OnGlobalSpike::kAbort && world > 1) {
+        EXPECT_GT(n.global_aborts, 3) << what;
+      }
+      if (std::string(policy.scaling) == "dynamic") {
+        EXPECT_GT(n.overflows, 5) << what;
       }
     }
 }

@@ -3,6 +3,7 @@
 // counters and weights as the host path under random faults on 2, 3 and 4 ranks in both modes;
 // an abort is sticky (the update issued after it never lands) and the last good state is saved;
 // configs without a device form are refused by name.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <csignal>
@@ -30,10 +31,10 @@ std::vector<std::string> events(const std::string& dir, int rank) {
 }
 
 // `args` on `world` ranks, decided on the host and on the device (lazily: no log, checkpoint or
-// verify step but the last): the same run. Returns the host run's event count on rank 0.
-size_t expect_same_args(int world, const std::string& args) {
+// verify step but the last): the same run. Returns the host run's events on rank 0.
+std::vector<std::string> expect_same_args(int world, const std::string& args) {
   test::TempDir dir;
-  const std::string common = "--skip.on_global_spike skip --metrics.log_freq 1000 " + args;
+  const std::string common = "--metrics.log_freq 1000 " + args;
   const int steps = 60;
   const auto host = test::run_ranks(world, dir / "host", steps,
                                     common + " --skip.device_decision off");
@@ -49,92 +50,135 @@ size_t expect_same_args(int world, const std::string& args) {
   const auto hm = read_jsonl(dir / "host/metrics.jsonl").back();
   const auto dm = read_jsonl(dir / "device/metrics.jsonl").back();
   for (const char* k : {"step", "optimizer_steps", "skipped_steps", "overflow_skips",
-                        "loss_scale", "grad_norm", "loss"})
+                        "clipped_steps", "loss_scale", "grad_norm", "loss"})
     EXPECT_EQ(dm.value(k, nlohmann::json()), hm.value(k, nlohmann::json())) << k;
-  return events(dir / "host", 0).size();
+  return events(dir / "host", 0);
 }
 
-// Random faults and spikes on `world` ranks in `mode`.
-void expect_same_runs(int world, const std::string& mode) {
-  SCOPED_TRACE(std::to_string(world) + " ranks, " + mode);
-  const size_t anomalies = expect_same_args(
+size_t count(const std::vector<std::string>& events, const std::string& what) {
+  size_t n = 0;
+  for (const auto& e : events) n += e.find(what) != std::string::npos ? 1 : 0;
+  return n;
+}
+
+// Random faults and spikes on one rank, and gradient spikes on every rank at steps 30 and 45,
+// on `world` ranks in `mode` with skip.on_global_spike = `policy`.
+void expect_same_runs(int world, const std::string& mode, const std::string& policy) {
+  SCOPED_TRACE(std::to_string(world) + " ranks, " + mode + ", on_global_spike " + policy);
+  std::string global;
+  for (int step : {30, 45})
+    for (int rank = 0; rank < world; ++rank)
+      global += (global.empty() ? "" : ", ") + fmt::format("spike@{}:{}", step, rank);
+  const auto anomalies = expect_same_args(
       world, "--skip.min_history 8 --skip.max_consecutive 0 --skip.max_fraction 0 "
              "--training.max_norm 1.0 --fault.random_p 0.06 --fault.random_seed 7 "
-             "--fault.random_kinds 'nan_grad, inf_grad, nan_loss, spike' --parallelism.mode " +
-                 mode);
-  EXPECT_GE(anomalies, 3u) << "the seed gives too few anomalies";
+             "--fault.random_kinds 'nan_grad, inf_grad, nan_loss, spike' --fault.inject '" +
+                 global + "' --skip.on_global_spike " + policy + " --parallelism.mode " + mode);
+  EXPECT_GE(anomalies.size(), 5u) << "the seed gives too few anomalies";
+  EXPECT_EQ(count(anomalies, "\"decision\":\"clip\""), policy == "clip" ? 2u : 0u)
+      << "the spikes on every rank are global";
 }
 
 }  // namespace
 
+// The default policy (a global spike is clipped) and "skip".
 TEST(DeviceDecision, TwoRanksDecideAsTheHostInBothModes) {
-  expect_same_runs(2, "ddp");
-  expect_same_runs(2, "sharded");
+  expect_same_runs(2, "ddp", "clip");
+  expect_same_runs(2, "sharded", "skip");
 }
 
 TEST(DeviceDecision, ThreeRanksDecideAsTheHostInBothModes) {
-  expect_same_runs(3, "ddp");
-  expect_same_runs(3, "sharded");
+  expect_same_runs(3, "ddp", "skip");
+  expect_same_runs(3, "sharded", "clip");
 }
 
 TEST(DeviceDecision, FourRanksDecideAsTheHostInBothModes) {
-  expect_same_runs(4, "ddp");
-  expect_same_runs(4, "sharded");
+  expect_same_runs(4, "ddp", "clip");
+  expect_same_runs(4, "sharded", "skip");
 }
 
-// Three NaN steps in a row trip skip.max_consecutive = 2 at step 7, which the host learns a step
-// late, after step 8 was issued: the device's abort is sticky, so step 8's update never lands,
-// and the checkpoint of the last good state is the host path's byte for byte.
-TEST(DeviceDecision, AnAbortIsStickyAndTheLastGoodStateIsSaved) {
+// A run with `faults` that aborts at `step`, decided on the host and on the device: the
+// device's abort is sticky (the update issued after it never lands), so the checkpoint of the
+// last good state is the host path's byte for byte. Returns the device path's message.
+std::string expect_same_abort(const std::vector<Override>& faults, int step) {
   test::TempDir dir;
   std::string messages[2];
   int i = 0;
   for (const char* where : {"off", "on"}) {
-    const std::vector<Override> extra = {
-        {"skip.device_decision", where},     {"skip.on_global_spike", "skip"},
-        {"skip.max_consecutive", "2"},       {"metrics.log_freq", "1000"},
-        {"checkpoint.interval", "1000"},     {"checkpoint.keep_latest_k", "0"},
-        {"fault.inject", "nan_grad@5:0, nan_grad@6:0, nan_grad@7:0"}};
+    std::vector<Override> extra = {{"skip.device_decision", where},
+                                   {"metrics.log_freq", "1000"},
+                                   {"checkpoint.interval", "1000"},
+                                   {"checkpoint.keep_latest_k", "0"}};
+    extra.insert(extra.end(), faults.begin(), faults.end());
     try {
       train(test::job(dir / where, 20, extra));
-      ADD_FAILURE() << where << ": the third skip in a row must abort";
+      ADD_FAILURE() << where << ": the run must abort";
     } catch (const TrainingAborted& e) {
       messages[i++] = e.what();
     }
   }
-  EXPECT_NE(messages[1].find("step 7: aborted"), std::string::npos) << messages[1];
-  EXPECT_NE(messages[1].find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos)
+  EXPECT_NE(messages[1].find("step " + std::to_string(step) + ": aborted"), std::string::npos)
       << messages[1];
+  const std::string good = "/checkpoint/step-" + std::to_string(step - 1);
   for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-    EXPECT_EQ(read_text(dir / "on/checkpoint/step-6/" + file),
-              read_text(dir / "off/checkpoint/step-6/" + file))
+    EXPECT_EQ(read_text(dir / ("on" + good + "/" + file)),
+              read_text(dir / ("off" + good + "/" + file)))
         << file;
-  const auto on = test::meta(dir / "on/checkpoint/step-6");
-  const auto off = test::meta(dir / "off/checkpoint/step-6");
+  const auto on = test::meta(dir / ("on" + good)), off = test::meta(dir / ("off" + good));
   for (const char* k : {"step", "optimizer_steps", "data_position", "detector"})
     EXPECT_EQ(on[k], off[k]) << k;
+  return messages[1];
+}
+
+// Three NaN steps in a row trip skip.max_consecutive = 2 at step 7, which the host learns a step
+// late, after step 8 was issued.
+TEST(DeviceDecision, AnAbortIsStickyAndTheLastGoodStateIsSaved) {
+  const std::string m = expect_same_abort(
+      {{"skip.on_global_spike", "skip"},
+       {"skip.max_consecutive", "2"},
+       {"fault.inject", "nan_grad@5:0, nan_grad@6:0, nan_grad@7:0"}},
+      7);
+  EXPECT_NE(m.find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos) << m;
+}
+
+// skip.on_global_spike = "abort": a spike on every rank (here the only one: the model, not a
+// batch) stops the run on the device too.
+TEST(DeviceDecision, AGlobalSpikeAbortsWhenAsked) {
+  const std::string m = expect_same_abort({{"skip.on_global_spike", "abort"},
+                                           {"skip.min_history", "4"},
+                                           {"fault.spike_factor", "50"},
+                                           {"fault.inject", "spike@12:0"}},
+                                          12);
+  EXPECT_NE(m.find("skip.on_global_spike = abort"), std::string::npos) << m;
 }
 
 // "on" with a setting that has no device form is refused naming both keys; "auto" decides on
 // the device only on a GPU, and only where the settings allow it.
 TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
   try {
-    load_config("", "test", {{"skip.device_decision", "on"}, {"skip.on_global_spike", "clip"}});
-    FAIL() << "on_global_spike = clip has no device form";
+    load_config("", "test",
+                {{"skip.device_decision", "on"}, {"skip.enabled", "true"}, {"skip.scope", "rank"}});
+    FAIL() << "skip.scope = rank has no device form";
   } catch (const ConfigError& e) {
     const std::string m = e.what();
     EXPECT_NE(m.find("'skip.device_decision'"), std::string::npos) << m;
-    EXPECT_NE(m.find("skip.on_global_spike = \"clip\""), std::string::npos) << m;
+    EXPECT_NE(m.find("skip.scope = \"rank\""), std::string::npos) << m;
   }
-  const Config skip = load_config("", "test", {{"skip.on_global_spike", "skip"}});
-  const Config clip = load_config("", "test", {{"skip.on_global_spike", "clip"}});
+  const Config defaults = load_config("", "test", {});
+  const Config rank = load_config("", "test", {{"skip.enabled", "true"}, {"skip.scope", "rank"}});
   const c10::Device gpu(c10::kCUDA, 0), cpu(c10::kCPU);
-  EXPECT_TRUE(decides_on_device(skip, gpu));
-  EXPECT_FALSE(decides_on_device(skip, cpu));
-  EXPECT_FALSE(decides_on_device(clip, gpu));
-  for (const auto& [key, value] : std::vector<Override>{
-           {"skip.scope", "rank"}, {"skip.replay", "self"}, {"lr_scheduler.on_skip", "hold"}}) {
-    auto ov = std::vector<Override>{{"skip.on_global_spike", "skip"}, {key, value}};
+  EXPECT_TRUE(decides_on_device(defaults, gpu)) << "the default job decides on a GPU";
+  EXPECT_FALSE(decides_on_device(defaults, cpu));
+  EXPECT_FALSE(decides_on_device(rank, gpu));
+  for (const char* policy : {"clip", "skip", "abort"})
+    EXPECT_EQ(device_decision_blocker(load_config("", "test", {{"skip.on_global_spike", policy}})),
+              "")
+        << policy;
+  for (const auto& [key, value] : std::vector<Override>{{"skip.scope", "rank"},
+                                                        {"skip.replay", "self"},
+                                                        {"diagnostics.replay_every", "5"},
+                                                        {"lr_scheduler.on_skip", "hold"}}) {
+    auto ov = std::vector<Override>{{key, value}};
     ov.push_back({"skip.enabled", "true"});
     EXPECT_NE(device_decision_blocker(load_config("", "test", ov)).find(key), std::string::npos)
         << key;
@@ -145,10 +189,11 @@ TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
 // device; each step's forward multiplies by the device's scale, not the host's (a step
 // behind).
 TEST(DeviceDecision, Fp16LossScalingFollowsTheDevicesScale) {
-  const size_t overflows = expect_same_args(
-      2, "--training.mixed_precision_param float16 --training.loss_scale dynamic "
-         "--training.loss_scale_growth_interval 3 --fault.inject "
-         "'overflow@3:1, overflow@4:0, overflow@8:0, overflow@20:1'");
+  const size_t overflows =
+      expect_same_args(2, "--training.mixed_precision_param float16 --training.loss_scale dynamic "
+                          "--training.loss_scale_growth_interval 3 --fault.inject "
+                          "'overflow@3:1, overflow@4:0, overflow@8:0, overflow@20:1'")
+          .size();
   EXPECT_GE(overflows, 4u) << "the four injected overflows (the scale grows every 3 updates, "
                               "so it overflows by itself too)";
 }

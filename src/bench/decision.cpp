@@ -41,13 +41,12 @@ struct Timing {
 
 Timing time_world(int world, const DecisionBenchOptions& o) {
   SkipConfig cfg;
-  cfg.enabled = true;
-  cfg.on_global_spike = OnGlobalSpike::kSkip;
+  cfg.enabled = true;  // and the default policy: a global spike is clipped
   const LossScaler scaler{TrainingConfig{}};
   SkipDetector detector(cfg);
-  std::vector<double> rings(kernels::decide_state_doubles(cfg.window, cfg.fraction_window));
+  std::vector<double> rings(kernels::decide_state_doubles(cfg.window, cfg.fraction_window, world));
   kernels::DecideState s =
-      kernels::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, 1.0);
+      kernels::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, world, 1.0);
   const kernels::DecideConfig c = decide_config(cfg, TrainingConfig{});
   std::mt19937_64 rng(1);
   std::vector<std::vector<RankStats>> tables;

@@ -81,13 +81,17 @@ Verdict reduce_in_rank_order(const std::vector<RankStats>& ranks, const std::vec
 
 // The reasons' names, in the core's bit order.
 void name_reasons(uint32_t bits, std::vector<std::string>& out) {
-  static const char* const kNames[kernels::kReasonCount] = {
-      "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike"};
   for (int b = 0; b < kernels::kReasonCount; ++b)
-    if (bits & (1u << b)) out.push_back(kNames[b]);
+    if (bits & (1u << b)) out.push_back(reason_name(b));
 }
 
 }  // namespace
+
+const char* reason_name(int bit) {
+  static const char* const kNames[kernels::kReasonCount] = {
+      "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike"};
+  return bit >= 0 && bit < kernels::kReasonCount ? kNames[bit] : "?";
+}
 
 double norm_of(double nonfinite, double sumsq) { return kernels::norm_of(nonfinite, sumsq); }
 
@@ -169,8 +173,8 @@ std::string SkipDetector::guard_tripped() const {
 }
 
 double SkipDetector::bounded(const Window& w, double v, double z) const {
-  if (w.size() < cfg_.min_history || z <= 0 || !std::isfinite(v)) return v;
-  return std::min(v, w.mean() + z * w.stddev());
+  return kernels::window_bounded([&w](int64_t i) { return w.values()[i]; }, w.size(), v, z,
+                                 cfg_.min_history);
 }
 
 void SkipDetector::record(const Verdict& v) {

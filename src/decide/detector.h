@@ -4,9 +4,9 @@
 // each rank's own), thresholds, the anomaly's scope (local: a minority of ranks stand out
 // against their own windows; global: most do, or none does), its policy, guards, culprits.
 // Plain C++: no tensors, so it is unit-tested directly. Its numbers (the rank-order reduction,
-// window z-scores, thresholds, guard counts) come from the framework-free core in
-// kernels/decision.h, which the device runs too (decision.cu), so host and device agree bit
-// for bit; scope, culprits and causes are computed here only.
+// window z-scores, thresholds, the scope's counts, the clip bound, guard counts) come from the
+// framework-free core in kernels/decision.h, which the device runs too (decision.cu), so host
+// and device agree bit for bit; culprit names and causes are computed here only.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +21,9 @@
 #include "lockstep/decision.h"
 
 namespace lockstep {
+
+// A reason's name (kernels/decision.h's bit `bit`: nonfinite_grad, ..., loss_spike).
+const char* reason_name(int bit);
 
 // Rolling window of accepted values: mean and population std, summed oldest first.
 class Window {
@@ -47,10 +50,8 @@ struct LocalFindings {
   std::vector<std::string> reasons;  // what they showed (nonfinite_grad, grad_norm_spike, ...)
   bool sample_evidence = false;      // some outlier holds samples whose own loss is nonfinite
   std::vector<double> grad_norm_z, loss_z;  // per rank; NaN while its window is short
-  // A minority of ranks (at most half), or samples that name themselves.
-  bool local(size_t world) const {
-    return !outliers.empty() && (sample_evidence || 2 * outliers.size() <= world);
-  }
+  // A minority of ranks (at most half), or samples that name themselves (kernels::is_local).
+  bool local(size_t world) const;
 };
 
 // What was settled before the gradient sync (skip.scope = "rank", skip.replay): the local

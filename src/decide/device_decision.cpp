@@ -29,7 +29,10 @@ kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t
           t.loss_scale_min,
           k.max_consecutive,
           k.max_fraction,
-          k.fraction_window};
+          k.fraction_window,
+          k.on_global_spike == OnGlobalSpike::kClip   ? kernels::kSpikeClip
+          : k.on_global_spike == OnGlobalSpike::kSkip ? kernels::kSpikeSkip
+                                                      : kernels::kSpikeAbort};
 }
 
 bool decides_on_device(const Config& c, c10::Device device) {
@@ -52,14 +55,6 @@ struct DeviceDecision::Slot {
 
 namespace {
 
-// A host ring holding `values` oldest first (its memory: `at`, capacity `capacity`).
-kernels::Ring ring_of(double* at, int64_t capacity, const std::vector<double>& values) {
-  kernels::Ring r{at, capacity, 0, 0};
-  for (double v : values) kernels::ring_push(r, v);
-  return r;
-}
-
-
 at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
   return at::empty({static_cast<int64_t>(n)},
                    at::TensorOptions().dtype(at::kByte).device(device).pinned_memory(pinned));
@@ -67,38 +62,69 @@ at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
 
 }  // namespace
 
-DeviceDecision::DeviceDecision(const Config& c, c10::Device device, const SkipDetector& detector,
-                               const LossScaler& scaler, const TrainState& st)
-    : device_(device), config_(decide_config(c.skip, c.training)) {
+namespace {
+
+// The host's state laid out as the device's, in `rings` (host memory) with the addresses the
+// device will read it at (`base`): the windows, each rank's own (empty when the host holds none
+// for this world size), the recent decisions, the guards and counters.
+kernels::DecideState host_state(const Config& c, int world, const SkipDetector& detector,
+                                const LossScaler& scaler, const TrainState& st,
+                                std::vector<double>& rings, double* base) {
   const int64_t window = c.skip.window, fraction = c.skip.fraction_window;
-  // The host's state laid out as the device's: rings first, then the struct pointing into them.
-  std::vector<double> rings(kernels::decide_state_doubles(window, fraction), 0.0);
-  rings_ = at::empty({static_cast<int64_t>(rings.size())},
-                     at::TensorOptions().dtype(at::kDouble).device(device));
-  double* base = rings_.data_ptr<double>();  // device addresses: written into the struct only
-  const auto host_ring = [&](int64_t offset, int64_t capacity, const std::vector<double>& v) {
-    kernels::Ring r = ring_of(rings.data() + offset, capacity, v);
-    r.values = base + offset;
-    return r;
+  rings.assign(kernels::decide_state_doubles(window, fraction, world), 0.0);
+  kernels::DecideState host = kernels::fresh_decide_state(rings.data(), window, fraction, world,
+                                                          scaler.scale());
+  const auto fill = [](kernels::Ring& r, const std::deque<double>& values) {
+    for (double v : values) kernels::ring_push(r, v);
   };
-  const auto values = [](const Window& w) {
-    return std::vector<double>(w.values().begin(), w.values().end());
+  fill(host.grad_norms, detector.grad_norms().values());
+  fill(host.losses, detector.losses().values());
+  for (bool skipped : detector.recent()) {
+    kernels::ring_push(host.recent, skipped ? 1.0 : 0.0);
+    host.recent_skips += skipped ? 1 : 0;
+  }
+  const auto& rank_gn = detector.rank_grad_norms();
+  const auto& rank_ls = detector.rank_losses();
+  for (int r = 0; r < world && static_cast<int>(rank_ls.size()) == world; ++r) {
+    for (double v : rank_gn[r].values()) kernels::rank_ring_push(host.ranks, r, 0, v);
+    for (double v : rank_ls[r].values()) kernels::rank_ring_push(host.ranks, r, 1, v);
+  }
+  // The same state pointing at the device's copy of `rings`.
+  kernels::DecideState s = kernels::fresh_decide_state(base, window, fraction, world, 1.0);
+  const auto moved = [](kernels::Ring to, const kernels::Ring& from) {
+    to.head = from.head;
+    to.size = from.size;
+    return to;
   };
-  std::vector<double> recent;
-  for (bool skipped : detector.recent()) recent.push_back(skipped ? 1.0 : 0.0);
-  kernels::DecideState s{};
-  s.grad_norms = host_ring(0, window, values(detector.grad_norms()));
-  s.losses = host_ring(window, window, values(detector.losses()));
-  s.recent = host_ring(2 * window, fraction, recent);
-  for (double r : recent) s.recent_skips += static_cast<int64_t>(r);
+  s.grad_norms = moved(s.grad_norms, host.grad_norms);
+  s.losses = moved(s.losses, host.losses);
+  s.recent = moved(s.recent, host.recent);
+  s.recent_skips = host.recent_skips;
   s.scale = scaler.core_state();
   s.consecutive_skips = detector.consecutive_skips();
   s.optimizer_steps = st.optimizer_steps;
   s.skipped_steps = st.skipped_steps;
   s.overflow_skips = st.overflow_skips;
+  s.clipped_steps = st.clipped_steps;
+  return s;
+}
+
+}  // namespace
+
+DeviceDecision::DeviceDecision(const Config& c, c10::Device device, int world,
+                               const SkipDetector& detector, const LossScaler& scaler,
+                               const TrainState& st)
+    : device_(device), world_(world), config_(decide_config(c.skip, c.training)) {
+  std::vector<double> rings;
+  rings_ = at::empty({kernels::decide_state_doubles(c.skip.window, c.skip.fraction_window, world)},
+                     at::TensorOptions().dtype(at::kDouble).device(device));
+  // Device addresses: written into the struct only.
+  const kernels::DecideState s =
+      host_state(c, world, detector, scaler, st, rings, rings_.data_ptr<double>());
   rings_.copy_(at::from_blob(rings.data(), {rings_.numel()}, at::kDouble));
   state_ = bytes_on(device, sizeof s);
-  state_.copy_(at::from_blob(&s, {static_cast<int64_t>(sizeof s)}, at::kByte));
+  state_.copy_(at::from_blob(const_cast<kernels::DecideState*>(&s),
+                             {static_cast<int64_t>(sizeof s)}, at::kByte));
   loss_scale_ = at::from_blob(state_.data_ptr<uint8_t>() + offsetof(kernels::DecideState, scale) +
                                   offsetof(kernels::LossScaleState, scale),
                               {}, at::TensorOptions().dtype(at::kDouble).device(device));
@@ -119,6 +145,9 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& table, int64_t s
   Slot& slot = *slots_[static_cast<size_t>(step % 2)];
   const at::Tensor t = table.to(device_, at::kDouble).contiguous();
   const int world = static_cast<int>(t.size(0));
+  if (world != world_)
+    throw std::logic_error(fmt::format("device decision: a table of {} ranks for a state of {}",
+                                       world, world_));
   auto* state = reinterpret_cast<kernels::DecideState*>(state_.data_ptr<uint8_t>());
   auto* result = reinterpret_cast<kernels::DecideResult*>(slot.result.data_ptr<uint8_t>());
   float* flags = slot.flags.data_ptr<float>();
@@ -171,14 +200,16 @@ DeviceDecision::Late DeviceDecision::read(int64_t step) {
 void expect_same_decision(int64_t step, const Verdict& v, double clip,
                           const DeviceDecision::Late& device) {
   const kernels::DecideResult& r = device.result;
-  const int32_t host = v.decision == Decision::kStep   ? kernels::kTake
-                       : v.decision == Decision::kSkip ? kernels::kSkipStep
-                                                       : kernels::kAbortRun;
+  const bool clipped = v.decision == Decision::kClip;
+  const int32_t host = v.decision == Decision::kStep || clipped ? kernels::kTake
+                       : v.decision == Decision::kSkip          ? kernels::kSkipStep
+                                                                : kernels::kAbortRun;
   const float found_inf = host == kernels::kTake ? 0.0f : 1.0f;
   // The same bits, or NaN on both sides (a GPU may give another NaN's bits than the CPU).
   const bool same_norm = std::memcmp(&r.grad_norm, &v.grad_norm, sizeof(double)) == 0 ||
                          (std::isnan(r.grad_norm) && std::isnan(v.grad_norm));
-  const bool same = r.outcome == host && device.found_inf == found_inf && same_norm &&
+  const bool same = r.outcome == host && (r.clipped != 0) == clipped &&
+                    device.found_inf == found_inf && same_norm &&
                     (host != kernels::kTake ||
                      device.grad_scale == static_cast<float>(v.loss_scale / clip));
   if (same) return;

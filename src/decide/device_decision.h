@@ -7,9 +7,10 @@
 // bit. An abort is sticky on the device: every update after it is blocked until the host,
 // a step later, stops. On a CPU the same path runs in host memory (the tests use it).
 //
-// The device form covers the decisions without per-rank replays: skip.on_global_spike =
-// "skip", skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance" (the
-// host sets the next step's lr before it reads this one's verdict); device_decision_blocker
+// The device form covers every decision taken from the exchanged table alone: each
+// skip.on_global_spike (the scope from every rank's own windows, kept on the device too),
+// with skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance" (the host
+// sets the next step's lr before it reads this one's verdict); device_decision_blocker
 // (config.h) names what keeps a config out of it. With fp16 loss scaling the forward multiplies
 // by the device's scale (loss_scale()).
 #pragma once
@@ -42,7 +43,7 @@ bool decides_on_device(const Config& c, c10::Device device);
 class DeviceDecision {
  public:
   // Starts from the host's state (after a resume: the checkpoint's windows, guards and counters).
-  DeviceDecision(const Config& c, c10::Device device, const SkipDetector& detector,
+  DeviceDecision(const Config& c, c10::Device device, int world, const SkipDetector& detector,
                  const LossScaler& scaler, const TrainState& state);
   ~DeviceDecision();
   DeviceDecision(const DeviceDecision&) = delete;
@@ -72,6 +73,7 @@ class DeviceDecision {
  private:
   struct Slot;
   c10::Device device_;
+  int world_;
   kernels::DecideConfig config_{};
   at::Tensor rings_, state_;  // device: the windows and the DecideState pointing into them
   at::Tensor loss_scale_;     // a view of state_'s scale

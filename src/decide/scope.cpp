@@ -8,15 +8,12 @@
 //           quarantined; skip.on_global_spike says clip (default), skip or abort. A nonfinite
 //           gradient cannot be clipped: it is skipped whatever the scope.
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
 #include "decide/detector.h"
+#include "kernels/decision.h"
 
 namespace lockstep {
 namespace {
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 bool has(const std::vector<std::string>& v, const char* s) {
   return std::find(v.begin(), v.end(), s) != v.end();
@@ -26,46 +23,51 @@ void add_unique(std::vector<std::string>& v, const char* s) {
   if (!has(v, s)) v.emplace_back(s);
 }
 
+// The core's row of a rank's stats.
+const double* row_of(const RankStats& s) {
+  static_assert(sizeof(RankStats) == kernels::kStatsDoubles * sizeof(double),
+                "RankStats is the core's row");
+  return reinterpret_cast<const double*>(&s);
+}
+
 // Before the windows fill (skip.max_grad_norm acts from the first step): the ranks whose own
-// gradient norm exceeds 4 x the median of the others'.
+// gradient norm exceeds 4 x the median of the others' (the core's, the device's too).
 std::vector<int> cross_rank_outliers(const std::vector<RankStats>& ranks) {
   std::vector<int> out;
-  for (int r = 0; r < static_cast<int>(ranks.size()) && ranks.size() > 1; ++r) {
-    std::vector<double> others;
-    for (int o = 0; o < static_cast<int>(ranks.size()); ++o)
-      if (o != r) others.push_back(ranks[o].local_sumsq);
-    std::nth_element(others.begin(), others.begin() + others.size() / 2, others.end());
-    if (ranks[r].local_sumsq > 16.0 * others[others.size() / 2]) out.push_back(r);  // norm 4x
-  }
+  std::vector<double> scratch(ranks.size());
+  const auto stat = [&ranks](int i, int f) { return row_of(ranks[i])[f]; };
+  kernels::cross_rank_outliers(stat, static_cast<int>(ranks.size()), scratch.data(),
+                               [&out](int r) { out.push_back(r); });
   return out;
 }
 
 }  // namespace
 
+bool LocalFindings::local(size_t world) const {
+  return kernels::is_local(static_cast<int>(outliers.size()), static_cast<int>(world),
+                           sample_evidence);
+}
+
 LocalFindings SkipDetector::local_findings(const std::vector<RankStats>& ranks,
                                            double scale) const {
   LocalFindings f;
   const size_t world = ranks.size();
-  f.grad_norm_z.assign(world, kNaN);
-  f.loss_z.assign(world, kNaN);
   const bool windows = rank_losses_.size() == world;
+  const Window none;
   for (size_t r = 0; r < world; ++r) {
-    const RankStats& s = ranks[r];
-    std::vector<std::string> why;
-    if (s.local_nonfinite > 0) why.emplace_back("nonfinite_grad");
-    if (!std::isfinite(s.loss) || s.bad_samples > 0) why.emplace_back("nonfinite_loss");
-    f.sample_evidence = f.sample_evidence || s.bad_samples > 0;
-    if (windows && rank_losses_[r].size() >= cfg_.min_history) {
-      const double g = norm_of(s.local_nonfinite, s.local_sumsq) / scale;
-      if (std::isfinite(g)) f.grad_norm_z[r] = rank_grad_norms_[r].zscore(g);
-      if (std::isfinite(s.loss)) f.loss_z[r] = rank_losses_[r].zscore(s.loss);
-      if (cfg_.grad_norm_zscore > 0 && f.grad_norm_z[r] > cfg_.grad_norm_zscore)
-        why.emplace_back("grad_norm_spike");
-      if (cfg_.loss_zscore > 0 && f.loss_z[r] > cfg_.loss_zscore) why.emplace_back("loss_spike");
-    }
-    if (why.empty()) continue;
+    const Window& g = windows ? rank_grad_norms_[r] : none;
+    const Window& l = windows ? rank_losses_[r] : none;
+    const kernels::RankFinding k = kernels::rank_finding(
+        row_of(ranks[r]), scale, [&g](int64_t i) { return g.values()[i]; }, g.size(),
+        [&l](int64_t i) { return l.values()[i]; }, l.size(), cfg_.min_history,
+        {cfg_.enabled, cfg_.max_grad_norm, cfg_.grad_norm_zscore, cfg_.loss_zscore});
+    f.grad_norm_z.push_back(k.grad_norm_z);
+    f.loss_z.push_back(k.loss_z);
+    f.sample_evidence = f.sample_evidence || k.samples;
+    if (k.reasons == 0) continue;
     f.outliers.push_back(static_cast<int>(r));
-    for (const auto& w : why) add_unique(f.reasons, w.c_str());
+    for (int b = 0; b < kernels::kReasonCount; ++b)
+      if (k.reasons & (1u << b)) add_unique(f.reasons, reason_name(b));
   }
   return f;
 }
@@ -88,7 +90,8 @@ void SkipDetector::attribute(Verdict& v, const std::vector<RankStats>& ranks,
   if (outliers.empty() && (has(v.reasons, "grad_norm_above_max") ||
                            has(v.reasons, "grad_norm_spike"))) {
     outliers = cross_rank_outliers(ranks);
-    local = !outliers.empty() && 2 * outliers.size() <= ranks.size();
+    local = kernels::is_local(static_cast<int>(outliers.size()), static_cast<int>(ranks.size()),
+                              false);
   }
   v.scope = local ? "local" : "global";
   if (local) v.culprit_ranks = outliers;
@@ -101,11 +104,13 @@ void SkipDetector::apply_policy(Verdict& v) const {
   if (v.scope == "global" && !nonfinite) {
     if (cfg_.on_global_spike == OnGlobalSpike::kClip) {
       // Taken, clipped to the largest norm the detector accepts; not a skip (no guard counts).
-      double to = std::numeric_limits<double>::infinity();
-      if (has(v.reasons, "grad_norm_spike"))
-        to = std::min(to, grad_norms_.mean() + cfg_.grad_norm_zscore * grad_norms_.stddev());
-      if (has(v.reasons, "grad_norm_above_max")) to = std::min(to, cfg_.max_grad_norm);
-      v.clip_to = std::isfinite(to) ? to : 0;
+      uint32_t bits = 0;
+      if (has(v.reasons, "grad_norm_spike")) bits |= kernels::kGradNormSpike;
+      if (has(v.reasons, "grad_norm_above_max")) bits |= kernels::kGradNormAboveMax;
+      const auto gn = [this](int64_t i) { return grad_norms_.values()[i]; };
+      v.clip_to = kernels::spike_clip_to(
+          bits, gn, grad_norms_.size(),
+          {cfg_.enabled, cfg_.max_grad_norm, cfg_.grad_norm_zscore, cfg_.loss_zscore});
       v.decision = Decision::kClip;
       return;
     }
