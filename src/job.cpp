@@ -71,7 +71,8 @@ void build_model(Job& j) {
        dtype_of(c.training.mixed_precision_param), dtype_of(c.training.mixed_precision_reduce)});
   j.shard_check = std::make_unique<GradCheck>(j.dp->synced_grads(), j.dp->shard_offset(),
                                               j.dp->shard_length());
-  // [B] per bucket: ddp checks each bucket's blocks as it lands, the rest after the sync.
+  // [B] per bucket: each bucket's (ddp) or slice's (sharded) blocks are checked as it lands,
+  // the rest after the sync.
   j.dp->on_landed([check = j.shard_check.get()](int64_t lo, int64_t hi) {
     check->run_range(lo, hi);
   });

@@ -1,11 +1,13 @@
 // parallelism.overlap: buckets of gradients sent while backward still runs, with the same
-// results as the sync after backward, in ddp and sharded mode.
+// results as the sync after backward, in ddp and sharded mode; check [B] of each bucket as it
+// lands.
 #include <ATen/ops/arange.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/equal.h>
 #include <ATen/ops/full.h>
 #include <gtest/gtest.h>
 
+#include "check/gradcheck.h"
 #include "comm_util.h"
 #include "lockstep/error.h"
 #include "parallel/data_parallel.h"
@@ -77,6 +79,35 @@ at::Tensor plain_gradient(int rank) {
   return at::cat({chain[0].grad(), chain[1].grad(), chain[2].grad()});
 }
 
+// Check [B] run as the sync lands (each ddp bucket, each slice of a sharded block, overlapped
+// or not) and run again in one pass over the same synced shard afterwards.
+struct CheckedStep {
+  at::Tensor as_landed, once;
+  int64_t checked_early = 0;
+};
+
+CheckedStep checked_step(Comm& comm, ParallelMode mode, bool overlap) {
+  Chain chain;
+  DataParallelOptions o;
+  o.mode = mode;
+  o.overlap = overlap;
+  // A parameter per ddp bucket; a parameter's length of every rank's block per sharded slice.
+  o.bucket_bytes = kN * 4 * (mode == ParallelMode::kSharded ? comm.size() : 1);
+  auto dp = make_data_parallel(chain.params, &comm, o);
+  GradCheck check(dp->synced_grads(), dp->shard_offset(), dp->shard_length());
+  dp->on_landed([&check](int64_t lo, int64_t hi) { check.run_range(lo, hi); });
+  for (int micro = 0; micro < 2; ++micro) {
+    if (micro == 1) dp->begin_last_backward();
+    chain.loss(comm.rank(), micro).backward();
+  }
+  dp->sync_gradients(comm.size());
+  CheckedStep r;
+  r.as_landed = check.run().clone();
+  r.checked_early = check.blocks_checked_early();
+  r.once = GradCheck(dp->synced_grads(), dp->shard_offset(), dp->shard_length()).run().clone();
+  return r;
+}
+
 }  // namespace
 
 TEST(Overlap, BucketsStartDuringBackwardAndSumAsTheSyncAfterIt) {
@@ -102,6 +133,25 @@ TEST(Overlap, BucketsStartDuringBackwardAndSumAsTheSyncAfterIt) {
           EXPECT_TRUE(at::equal(local, plain_gradient(comm.rank()))) << what;
         }
       });
+}
+
+// Check [B] of each bucket or slice runs as soon as it has landed, mean taken: some of its
+// blocks are checked before the last collective's wait, and the stats are those of one pass
+// over the final synced shard, bit for bit (a block checked before its values landed would
+// differ).
+TEST(Overlap, ChecksRunAsBucketsLandGiveTheBitsOfOnePass) {
+  for (int world : {2, 3})
+    for (ParallelMode mode : {ParallelMode::kDdp, ParallelMode::kSharded})
+      for (bool overlap : {false, true})
+        test::on_ranks(world, [mode, overlap](Comm& comm) {
+          const std::string what = std::string(mode == ParallelMode::kDdp ? "ddp" : "sharded") +
+                                   (overlap ? ", overlapped," : "") + " on rank " +
+                                   std::to_string(comm.rank()) + " of " +
+                                   std::to_string(comm.size());
+          const CheckedStep r = checked_step(comm, mode, overlap);
+          EXPECT_GT(r.checked_early, 0) << what;
+          EXPECT_TRUE(at::equal(r.as_landed, r.once)) << what;
+        });
 }
 
 TEST(Overlap, TrainingEqualsTheSyncAfterBackwardBitForBit) {

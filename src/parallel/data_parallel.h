@@ -75,7 +75,8 @@ class DataParallel {
   virtual void sync_gradients(int contributors) = 0;
 
   // Called by sync_gradients with each flat range [lo, hi) of the synced gradient as it lands,
-  // mean taken (ddp's buckets: check [B] runs on it while later buckets are in flight).
+  // mean taken (ddp's buckets, sharded's slices of this rank's block: check [B] runs on it while
+  // later ones are in flight).
   void on_landed(std::function<void(int64_t lo, int64_t hi)> landed) {
     landed_ = std::move(landed);
   }

@@ -9,29 +9,33 @@
 #include <fmt/core.h>
 
 #include <algorithm>
+#include <functional>
+#include <utility>
 
 #include "parallel/data_parallel.h"
 
 namespace lockstep {
 namespace {
 
-// At most two collectives in flight: adding a third waits for the oldest.
+// At most two collectives in flight: adding a third waits for the oldest. `landed` runs right
+// after its collective's wait.
 class Pipeline {
  public:
-  void add(std::unique_ptr<CommWork> w) {
-    if (in_flight_.size() == 2) {
-      in_flight_.front()->wait();
-      in_flight_.erase(in_flight_.begin());
-    }
-    in_flight_.push_back(std::move(w));
+  void add(std::unique_ptr<CommWork> w, std::function<void()> landed = {}) {
+    if (in_flight_.size() == 2) wait_oldest();
+    in_flight_.push_back({std::move(w), std::move(landed)});
   }
   void drain() {
-    for (auto& w : in_flight_) w->wait();
-    in_flight_.clear();
+    while (!in_flight_.empty()) wait_oldest();
   }
 
  private:
-  std::vector<std::unique_ptr<CommWork>> in_flight_;
+  void wait_oldest() {
+    in_flight_.front().first->wait();
+    if (in_flight_.front().second) in_flight_.front().second();
+    in_flight_.erase(in_flight_.begin());
+  }
+  std::vector<std::pair<std::unique_ptr<CommWork>, std::function<void()>>> in_flight_;
 };
 
 class Sharded final : public DataParallel {
@@ -60,15 +64,21 @@ class Sharded final : public DataParallel {
   }
 
   void sync_gradients(int contributors) override {
+    // As each slice of this rank's block lands: its mean into the block's place in the reduce
+    // buffer (the same element-wise division as of the whole block), then its check [B].
+    const auto landed = [&](int64_t from, int64_t n) {
+      reduce_.narrow(0, rank_ * block_ + from, n)
+          .copy_(grad_block_.narrow(0, from, n))
+          .div_(static_cast<double>(contributors));
+      if (landed_) landed_(rank_ * block_ + from, rank_ * block_ + from + n);
+    };
     if (buckets_) {
-      buckets_->finish();  // the buckets backward has not started yet, then every wait
+      // The buckets backward has not started yet, then every wait.
+      buckets_->finish([&](int b) { landed(slices_[b].first, slices_[b].second); });
     } else {
       stage_for_reduction();
-      if (world_ > 1) in_buckets([&](int64_t from, int64_t n) { return reduce_scatter(from, n); });
-    }
-    if (world_ > 1) {
-      at::Tensor mine = reduce_.narrow(0, rank_ * block_, block_);
-      mine.copy_(grad_block_).div_(static_cast<double>(contributors));
+      if (world_ > 1)
+        in_buckets([&](int64_t from, int64_t n) { return reduce_scatter(from, n); }, landed);
     }
     if (opt_grad_block_.defined()) opt_grad_block_.copy_(reduce_.narrow(0, rank_ * block_, block_));
   }
@@ -205,12 +215,18 @@ class Sharded final : public DataParallel {
     return out;
   }
 
-  // Runs `start(from, n)` for each bucket of the block, two collectives in flight, all waited:
-  // the next one is on its way while the last one finishes, and staging stays at two buckets.
-  void in_buckets(const std::function<std::unique_ptr<CommWork>(int64_t, int64_t)>& start) {
+  // Runs `start(from, n)` for each bucket of the block, two collectives in flight, all waited
+  // (then `landed(from, n)`): the next one is on its way while the last one finishes, and
+  // staging stays at two buckets.
+  void in_buckets(const std::function<std::unique_ptr<CommWork>(int64_t, int64_t)>& start,
+                  const std::function<void(int64_t, int64_t)>& landed = {}) {
     Pipeline works;
-    for (int64_t from = 0; from < block_; from += bucket_)
-      works.add(start(from, std::min(bucket_, block_ - from)));
+    for (int64_t from = 0; from < block_; from += bucket_) {
+      const int64_t n = std::min(bucket_, block_ - from);
+      std::function<void()> then;
+      if (landed) then = [&landed, from, n] { landed(from, n); };
+      works.add(start(from, n), std::move(then));
+    }
     works.drain();
   }
 
