@@ -1,4 +1,5 @@
-// CUDA side of the fused gradient check: one launch over the whole tensor table.
+// CUDA side of the fused gradient check: one launch over the whole tensor table (or several:
+// chunks checked early as their bucket lands, then one that checks the rest and reduces).
 //
 // Shape: a persistent grid walks fixed-size chunks of the segment table. Inside a chunk each
 // thread reads 16-byte vectors (scalar head and tail peeled off so the vectors are aligned),
@@ -6,10 +7,14 @@
 // nonfinite elements; warps reduce counts with __reduce_add_sync and sums with shuffles; each
 // block writes one result per chunk. The last block to finish (a wrap-around ticket: atomicInc
 // returns the counter to 0 as the last block takes its ticket, so no launch ever leaves it
-// non-zero) reduces the chunk results in a fixed order into per-tensor and total stats, so the
-// same input always gives the same bits and the launch can be replayed in a CUDA graph.
+// non-zero) reduces the chunk results in a fixed order into per-tensor and total stats (a
+// tensor of a few chunks by one thread, a larger one by a warp), so the same input always gives
+// the same bits and the launch can be replayed in a CUDA graph.
 // Launches of one plan share its chunk buffers: cuda_check orders them with an event, so a
-// launch from another stream waits for the previous one instead of racing it.
+// launch from another stream waits for the previous one instead of racing it. Chunks may be
+// checked early, by launches that only write their results (cuda_check_chunks: a bucket of the
+// gradient sync that has landed); the reducing launch checks the rest and reads them all, in
+// the same fixed order, so the bits do not depend on which launch checked a chunk.
 //
 // A chunk is one overflow run (kernels/gradcheck.h): kRunElems elements of a segment, cut from
 // its start as the CPU cuts its runs, counted once when any of its partials overflowed.
@@ -34,15 +39,21 @@ struct Chunk {
   int32_t dtype;
 };
 
+// A tensor of at most this many chunks is reduced by one thread, larger ones by a warp.
+constexpr int kThreadChunks = 8;
+
 struct PlanView {  // what the kernel reads; passed by value
   const Chunk* chunks;
   const int32_t* tensor_first;  // [num_tensors + 1]: chunks of tensor t are [first[t], first[t+1])
+  const int32_t* large;         // the tensors of more than kThreadChunks chunks, ascending
   double* chunk_sumsq;
   unsigned long long* chunk_nonfinite;
   unsigned int* chunk_overflow;
   unsigned int* ticket;
   int num_chunks;
   int num_tensors;
+  int num_large;
+  int first, last;  // the chunks this launch checks: [first, last)
 };
 
 template <int D>
@@ -194,12 +205,46 @@ __device__ void check_chunk(const Chunk& c, double& sumsq, unsigned int& nonfini
   nonfinite = nf;
 }
 
+// Per tensor, its chunks' results in a fixed order into out: a small tensor (most of them in a
+// model of many tensors) by one thread, its chunks in order; a large one by a warp, lane l
+// summing chunks l, l+32, ... in order, then the fixed shuffle tree.
+__device__ void reduce_tensors(const PlanView& p, double* out) {
+  for (int t = threadIdx.x; t < p.num_tensors; t += kThreads) {
+    const int lo = p.tensor_first[t], hi = p.tensor_first[t + 1];
+    if (hi - lo > kThreadChunks) continue;
+    double s = 0, n = 0;
+    for (int ci = lo; ci < hi; ++ci) {
+      s += __ldcg(p.chunk_sumsq + ci);
+      n += static_cast<double>(__ldcg(p.chunk_nonfinite + ci));
+    }
+    out[kStatsHeader + 2 * t] = n;
+    out[kStatsHeader + 2 * t + 1] = s;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int k = warp; k < p.num_large; k += kWarps) {
+    const int t = p.large[k];
+    double s = 0, n = 0;
+    for (int ci = p.tensor_first[t] + lane; ci < p.tensor_first[t + 1]; ci += 32) {
+      s += __ldcg(p.chunk_sumsq + ci);
+      n += static_cast<double>(__ldcg(p.chunk_nonfinite + ci));
+    }
+    s = warp_sum(s);
+    n = warp_sum(n);
+    if (lane == 0) {
+      out[kStatsHeader + 2 * t] = n;
+      out[kStatsHeader + 2 * t + 1] = s;
+    }
+  }
+}
+
+// Checks chunks [p.first, p.last) into the plan's chunk results; with `out`, the last block to
+// finish then reduces every chunk's result (those of earlier launches included).
 __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double* out) {
   __shared__ double dsm[kWarps];
   __shared__ unsigned long long usm[kWarps];
   __shared__ bool is_last;
 
-  for (int ci = blockIdx.x; ci < p.num_chunks; ci += gridDim.x) {
+  for (int ci = p.first + static_cast<int>(blockIdx.x); ci < p.last; ci += gridDim.x) {
     const Chunk c = p.chunks[ci];
     double sumsq = 0;
     unsigned int nf = 0, ovf = 0;
@@ -227,6 +272,7 @@ __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double*
     }
   }
 
+  if (out == nullptr) return;  // an early launch: a later one reduces
   // The last block to arrive reduces every chunk result in a fixed order.
   __threadfence();
   __syncthreads();
@@ -236,21 +282,7 @@ __global__ void __launch_bounds__(kThreads) gradcheck_kernel(PlanView p, double*
   if (!is_last) return;
   __threadfence();
 
-  // Per tensor, one warp: lane l sums chunks l, l+32, ... in order, then the fixed shuffle tree.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int t = warp; t < p.num_tensors; t += kWarps) {
-    double s = 0, n = 0;
-    for (int ci = p.tensor_first[t] + lane; ci < p.tensor_first[t + 1]; ci += 32) {
-      s += __ldcg(p.chunk_sumsq + ci);
-      n += static_cast<double>(__ldcg(p.chunk_nonfinite + ci));
-    }
-    s = warp_sum(s);
-    n = warp_sum(n);
-    if (lane == 0) {
-      out[kStatsHeader + 2 * t] = n;
-      out[kStatsHeader + 2 * t + 1] = s;
-    }
-  }
+  reduce_tensors(p, out);
   __syncthreads();
   // Totals: each thread a fixed strided subset in order, then the fixed-shape block sum.
   double ts = 0, tn = 0, to = 0;
@@ -314,11 +346,15 @@ int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
     }
   }
   while (cur_tensor <= num_tensors) first[cur_tensor++] = static_cast<int32_t>(chunks.size());
+  std::vector<int32_t> large;
+  for (int t = 0; t < num_tensors; ++t)
+    if (first[t + 1] - first[t] > kThreadChunks) large.push_back(t);
 
   const size_t nc = chunks.empty() ? 1 : chunks.size();
   auto align = [](size_t x) { return (x + 255) & ~size_t{255}; };
   const size_t off_first = align(nc * sizeof(Chunk));
-  const size_t off_sumsq = off_first + align(first.size() * sizeof(int32_t));
+  const size_t off_large = off_first + align(first.size() * sizeof(int32_t));
+  const size_t off_sumsq = off_large + align((large.empty() ? 1 : large.size()) * sizeof(int32_t));
   const size_t off_nf = off_sumsq + align(nc * sizeof(double));
   const size_t off_ovf = off_nf + align(nc * sizeof(unsigned long long));
   const size_t off_ticket = off_ovf + align(nc * sizeof(unsigned int));
@@ -336,6 +372,9 @@ int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
   if (e == cudaSuccess)
     e = cudaMemcpy(base + off_first, first.data(), first.size() * sizeof(int32_t),
                    cudaMemcpyHostToDevice);
+  if (e == cudaSuccess && !large.empty())
+    e = cudaMemcpy(base + off_large, large.data(), large.size() * sizeof(int32_t),
+                   cudaMemcpyHostToDevice);
   if (e == cudaSuccess) e = cudaMemset(base + off_ticket, 0, sizeof(unsigned int));
   int device = 0, sms = 1, per_sm = 1;
   if (e == cudaSuccess) e = cudaGetDevice(&device);
@@ -351,12 +390,16 @@ int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
   plan->device = device;
   plan->view = {reinterpret_cast<const Chunk*>(base),
                 reinterpret_cast<const int32_t*>(base + off_first),
+                reinterpret_cast<const int32_t*>(base + off_large),
                 reinterpret_cast<double*>(base + off_sumsq),
                 reinterpret_cast<unsigned long long*>(base + off_nf),
                 reinterpret_cast<unsigned int*>(base + off_ovf),
                 reinterpret_cast<unsigned int*>(base + off_ticket),
                 static_cast<int>(chunks.size()),
-                num_tensors};
+                num_tensors,
+                static_cast<int>(large.size()),
+                0,
+                static_cast<int>(chunks.size())};
   const int persistent = sms * (per_sm > 0 ? per_sm : 1);
   plan->grid = static_cast<int>(chunks.size()) < persistent ? static_cast<int>(chunks.size())
                                                             : persistent;
@@ -374,7 +417,12 @@ void cuda_plan_destroy(CudaPlan* plan) {
 
 int cuda_plan_device(const CudaPlan* plan) { return plan->device; }
 
-int cuda_check(const CudaPlan* plan, double* out, void* stream) {
+int cuda_plan_chunks(const CudaPlan* plan) { return plan->view.num_chunks; }
+
+namespace {
+
+// One launch of the check over chunks [first, last), reducing into `out` when it is set.
+cudaError_t launch_check(const CudaPlan* plan, int first, int last, double* out, void* stream) {
   auto s = static_cast<cudaStream_t>(stream);
   // Eager launches are ordered after the plan's previous launch, whatever its stream; inside a
   // graph capture the graph orders its own nodes (and an event recorded outside it may not be
@@ -384,10 +432,25 @@ int cuda_check(const CudaPlan* plan, double* out, void* stream) {
   const bool eager = e == cudaSuccess && capturing == cudaStreamCaptureStatusNone;
   if (e == cudaSuccess && eager) e = cudaStreamWaitEvent(s, plan->done, 0);
   if (e != cudaSuccess) return e;
-  gradcheck_kernel<<<plan->grid, kThreads, 0, s>>>(plan->view, out);
+  PlanView view = plan->view;
+  view.first = first < 0 ? 0 : first;
+  view.last = last < view.first ? view.first : last > view.num_chunks ? view.num_chunks : last;
+  const int chunks = view.last - view.first;
+  const int grid = chunks < plan->grid ? (chunks > 0 ? chunks : 1) : plan->grid;
+  gradcheck_kernel<<<grid, kThreads, 0, s>>>(view, out);
   e = cudaGetLastError();
   if (e == cudaSuccess && eager) e = cudaEventRecord(plan->done, s);
   return e;
+}
+
+}  // namespace
+
+int cuda_check(const CudaPlan* plan, double* out, void* stream, int first, int last) {
+  return launch_check(plan, first, last < 0 ? plan->view.num_chunks : last, out, stream);
+}
+
+int cuda_check_chunks(const CudaPlan* plan, int first, int last, void* stream) {
+  return first < last ? launch_check(plan, first, last, nullptr, stream) : cudaSuccess;
 }
 
 int cuda_sum(const CudaPlan* plan, double* out, void* stream) {

@@ -72,10 +72,21 @@ int cuda_plan_create(const Segment* segments, int num_segments, int num_tensors,
 void cuda_plan_destroy(CudaPlan* plan);
 int cuda_plan_device(const CudaPlan* plan);  // the device it was built on
 
-// One launch: writes stats_size(num_tensors) doubles to `out` (device memory) on `stream`
-// (a cudaStream_t of the plan's device). The result is bitwise deterministic for a given plan
-// and input. Eager launches of one plan are ordered (an event), also across streams.
-int cuda_check(const CudaPlan* plan, double* out, void* stream);
+// The plan's chunks: each segment cut from its start into runs of kRunElems elements, in
+// segment order (chunk i of a plan is run i of its segment table).
+int cuda_plan_chunks(const CudaPlan* plan);
+
+// One launch: checks chunks [first, last) (last -1: to the end), then writes
+// stats_size(num_tensors) doubles to `out` (device memory) on `stream` (a cudaStream_t of the
+// plan's device) from every chunk's result: the rest must have been checked by
+// cuda_check_chunks since the previous cuda_check. The result is bitwise deterministic for a
+// given plan and input, whichever launch checked a chunk. Eager launches of one plan are
+// ordered (an event), also across streams.
+int cuda_check(const CudaPlan* plan, double* out, void* stream, int first = 0, int last = -1);
+
+// Checks chunks [first, last) now (a bucket of the sync has landed); their results wait in the
+// plan for the next cuda_check. No-op when first >= last.
+int cuda_check_chunks(const CudaPlan* plan, int first, int last, void* stream);
 
 // The speed-of-light baseline on the device: a plain vectorized sum over the same chunks,
 // written to out[0]. Same launch shape as cuda_check.

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <limits>
+#include <utility>
 
 #include "gradcheck_reference.h"
 
@@ -151,4 +152,29 @@ TEST(GradCheckCuda, CapturedInACudaGraphAndReplayed) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// Chunks checked early as their bucket lands (run_range: launches that only write their chunk
+// results), then run() for the rest: the bits of one launch over everything, in whole tensors
+// and in a shard; a range's chunks are not checked twice, and the next run() starts afresh.
+TEST(GradCheckCuda, ChunksCheckedAsTheirBucketLandsGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  auto grads = random_grads({70000, 5, 200000, 1 << 17, 33}, at::kFloat, kCuda);
+  grads[2].tensor.select(0, 12345).fill_(kNan);
+  grads[3].tensor.select(0, 99).fill_(1e30);  // an overflow run, redone in fp64
+  for (const auto& [offset, length] : {std::pair<int64_t, int64_t>{0, -1}, {50000, 250000}}) {
+    SCOPED_TRACE(offset);
+    GradCheck whole(grads, offset, length), parts(grads, offset, length);
+    const at::Tensor want = whole.run().clone();
+    parts.run_range(0, 70005);         // the first two tensors
+    parts.run_range(270005, 1 << 30);  // the tail: two runs of adjacent chunks with the first
+    parts.run_range(100000, 150000);   // inside a tensor: its whole chunks only
+    parts.run_range(0, 70005);         // again: nothing left to check there
+    EXPECT_TRUE(at::equal(parts.run(), want));
+    EXPECT_GT(parts.blocks_checked_early(), 0);
+    EXPECT_TRUE(at::equal(parts.run(), want));
+    EXPECT_EQ(parts.blocks_checked_early(), 0);
+    parts.run_range(0, 1 << 30);  // everything early: the reducing launch checks nothing
+    EXPECT_TRUE(at::equal(parts.run(), want));
+  }
 }

@@ -15,6 +15,8 @@
 #endif
 
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 
@@ -46,6 +48,16 @@ std::vector<R> map_blocks(const std::vector<kernels::Segment>& blocks, F&& fn) {
     for (int64_t b = b0; b < b1; ++b) out[b] = fn(blocks[b]);
   });
   return out;
+}
+
+// Ascending indices grouped into runs of adjacent ones, as [first, last).
+[[maybe_unused]] std::vector<std::pair<int, int>> runs_of(const std::vector<int64_t>& which) {
+  std::vector<std::pair<int, int>> runs;
+  for (int64_t b : which) {
+    if (!runs.empty() && runs.back().second == b) ++runs.back().second;
+    else runs.emplace_back(static_cast<int>(b), static_cast<int>(b) + 1);
+  }
+  return runs;
 }
 
 }  // namespace
@@ -98,11 +110,14 @@ void GradCheck::build_table() {
   }
   pointers_.clear();
   for (const auto& g : grads_) pointers_.push_back(g.tensor.const_data_ptr());
+  // The units checked alone (run_range): on the CPU blocks of a few runs, on CUDA the plan's
+  // chunks (one run each, cut the same way, so block b is chunk b).
+  const int64_t unit = device.is_cuda() ? kernels::kRunElems : kBlockElems;
   for (size_t k = 0; k < segments_.size(); ++k) {
     const kernels::Segment& seg = segments_[k];
-    for (int64_t start = 0; start < seg.count; start += kBlockElems) {
+    for (int64_t start = 0; start < seg.count; start += unit) {
       blocks_.push_back({static_cast<const char*>(seg.ptr) + start * kernels::dtype_size(seg.dtype),
-                         std::min(kBlockElems, seg.count - start), seg.tensor, seg.dtype});
+                         std::min(unit, seg.count - start), seg.tensor, seg.dtype});
       block_start_.push_back(segment_start[k] + start);
     }
   }
@@ -113,7 +128,13 @@ void GradCheck::build_table() {
   out_ = at::empty({size}, grads_[0].tensor.options().dtype(at::kDouble));
   cuda_.reset();
 #ifdef LOCKSTEP_WITH_CUDA
-  if (device.is_cuda()) cuda_ = Cuda::create(segments_, num_tensors(), device.index());
+  if (device.is_cuda()) {
+    cuda_ = Cuda::create(segments_, num_tensors(), device.index());
+    if (cuda_->chunks() != static_cast<int>(blocks_.size()))
+      throw std::logic_error(fmt::format("gradient check: the CUDA plan has {} chunks, the table "
+                                         "{} blocks",
+                                         cuda_->chunks(), blocks_.size()));
+  }
 #endif
 }
 
@@ -128,19 +149,23 @@ void GradCheck::check_pointers() const {
 
 at::Tensor GradCheck::run() {
   check_pointers();  // the plan holds raw pointers: a moved tensor would be read stale
-#ifdef LOCKSTEP_WITH_CUDA
-  if (cuda_) {
-    cuda_->run(out_.data_ptr<double>());
-    return out_;
-  }
-#endif
-  if (!out_.is_cpu())
+  if (!cuda_ && !out_.is_cpu())
     throw std::invalid_argument("gradient check: this build has no CUDA support for " +
                                 out_.device().str());
   std::vector<int64_t> rest;  // the blocks no run_range has checked this step
   for (size_t b = 0; b < blocks_.size(); ++b)
     if (!done_[b]) rest.push_back(static_cast<int64_t>(b));
   checked_early_ = static_cast<int64_t>(blocks_.size() - rest.size());
+#ifdef LOCKSTEP_WITH_CUDA
+  if (cuda_) {  // the rest's runs of chunks early but the last, which the reducing launch takes
+    const auto runs = runs_of(rest);
+    for (size_t i = 0; i + 1 < runs.size(); ++i) cuda_->run_early(runs[i].first, runs[i].second);
+    const auto last = runs.empty() ? std::pair<int, int>(0, 0) : runs.back();
+    cuda_->run(out_.data_ptr<double>(), last.first, last.second);
+    std::fill(done_.begin(), done_.end(), 0);
+    return out_;
+  }
+#endif
   check_blocks(rest);
   std::fill(done_.begin(), done_.end(), 0);
   // Fixed-order reduction: blocks in table order into tensors, tensors in order into totals.
@@ -172,12 +197,18 @@ void GradCheck::check_blocks(const std::vector<int64_t>& which) {
 }
 
 void GradCheck::run_range(int64_t lo, int64_t hi) {
-  if (cuda_) return;
   check_pointers();
   std::vector<int64_t> which;
   for (size_t b = 0; b < blocks_.size(); ++b)
     if (!done_[b] && block_start_[b] >= lo && block_start_[b] + blocks_[b].count <= hi)
       which.push_back(static_cast<int64_t>(b));
+#ifdef LOCKSTEP_WITH_CUDA
+  if (cuda_) {  // one launch per run of adjacent chunks, on the stream the bucket landed on
+    for (const auto& [first, last] : runs_of(which)) cuda_->run_early(first, last);
+    for (int64_t b : which) done_[b] = 1;
+    return;
+  }
+#endif
   check_blocks(which);
 }
 

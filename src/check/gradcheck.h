@@ -1,6 +1,7 @@
 // The LibTorch face of the fused gradient health check (kernels/gradcheck.h): validates the
 // gradient tensors, builds the segment table for the shard this rank owns, and runs the
-// one-pass check on the CPU (SIMD, multi-threaded) or on CUDA (one launch, no host sync).
+// one-pass check on the CPU (SIMD, multi-threaded) or on CUDA (one launch, no host sync),
+// optionally in parts as the gradient sync's buckets land (run_range).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,7 +40,8 @@ class GradCheck {
   // Checks now the blocks of this check that lie whole in [lo, hi) of the concatenation (a
   // bucket of the gradient sync that has landed); the next run() reuses their partial results
   // and checks only the rest, with the same fixed-order reduction: the same bits as without.
-  // CPU only (on CUDA run() checks everything; this does nothing). run() must follow.
+  // On CUDA the blocks are the plan's chunks, checked by a launch on the current stream that
+  // writes only their results (no host sync). run() must follow.
   void run_range(int64_t lo, int64_t hi);
   // How many blocks the last run() found already checked by run_range.
   int64_t blocks_checked_early() const { return checked_early_; }
@@ -62,9 +64,9 @@ class GradCheck {
   std::vector<NamedTensor> grads_;
   int64_t offset_, length_;
   std::vector<kernels::Segment> segments_;
-  std::vector<kernels::Segment> blocks_;  // segments cut into the units of CPU parallelism
+  std::vector<kernels::Segment> blocks_;  // segments cut into units (CPU threads, CUDA chunks)
   std::vector<int64_t> block_start_;      // each block's first element in the concatenation
-  std::vector<kernels::SpanStats> partial_;  // each block's result (CPU)
+  std::vector<kernels::SpanStats> partial_;  // each block's result (CPU; CUDA: in the plan)
   std::vector<char> done_;                // partial_[b] is this step's (run_range)
   int64_t checked_early_ = 0;
   std::vector<const void*> pointers_;      // each tensor's memory when the table was built

@@ -30,12 +30,23 @@ std::unique_ptr<GradCheck::Cuda> GradCheck::Cuda::create(
   return c;
 }
 
-void GradCheck::Cuda::run(double* out) {
+void GradCheck::Cuda::run(double* out, int first, int last) {
   const auto device = static_cast<c10::DeviceIndex>(kernels::cuda_plan_device(plan));
   const c10::cuda::CUDAGuard guard(device);
-  check(kernels::cuda_check(plan, out, c10::cuda::getCurrentCUDAStream(device).stream()),
+  check(kernels::cuda_check(plan, out, c10::cuda::getCurrentCUDAStream(device).stream(), first,
+                            last),
         "the check kernel launch", device, __LINE__);
 }
+
+void GradCheck::Cuda::run_early(int first, int last) {
+  const auto device = static_cast<c10::DeviceIndex>(kernels::cuda_plan_device(plan));
+  const c10::cuda::CUDAGuard guard(device);
+  check(kernels::cuda_check_chunks(plan, first, last,
+                                   c10::cuda::getCurrentCUDAStream(device).stream()),
+        "the early check kernel launch", device, __LINE__);
+}
+
+int GradCheck::Cuda::chunks() const { return kernels::cuda_plan_chunks(plan); }
 
 void GradCheck::Cuda::sum(double* out) {
   const auto device = static_cast<c10::DeviceIndex>(kernels::cuda_plan_device(plan));
