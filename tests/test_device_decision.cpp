@@ -1,8 +1,9 @@
 // The decision taken on the device and read by the host a step later (skip.device_decision,
 // src/decide/device_decision.h), run on the CPU with host memory: the same decisions, events,
-// counters and weights as the host path under random faults on 2, 3 and 4 ranks in both modes;
-// an abort is sticky (the update issued after it never lands) and the last good state is saved;
-// configs without a device form are refused by name.
+// counters and weights as the host path under random faults and global spikes (clipped or
+// skipped) on 2, 3 and 4 ranks in both modes; an abort (a guard's, or a global spike's) is
+// sticky (the update issued after it never lands) and the last good state is saved; configs
+// without a device form are refused by name.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -97,6 +98,8 @@ TEST(DeviceDecision, FourRanksDecideAsTheHostInBothModes) {
   expect_same_runs(4, "sharded", "skip");
 }
 
+namespace {
+
 // A run with `faults` that aborts at `step`, decided on the host and on the device: the
 // device's abort is sticky (the update issued after it never lands), so the checkpoint of the
 // last good state is the host path's byte for byte. Returns the device path's message.
@@ -129,6 +132,8 @@ std::string expect_same_abort(const std::vector<Override>& faults, int step) {
     EXPECT_EQ(on[k], off[k]) << k;
   return messages[1];
 }
+
+}  // namespace
 
 // Three NaN steps in a row trip skip.max_consecutive = 2 at step 7, which the host learns a step
 // late, after step 8 was issued.
