@@ -20,22 +20,13 @@ using lockstep::test::capture;
 using lockstep::test::CliRun;
 using lockstep::test::outcome;
 using lockstep::test::RunOutcome;
+using lockstep::test::spawn_shell;
 
 namespace {
 
 // Runs `lockstep ARGS`, with `env` ("NAME=value ...") added to its environment.
 CliRun run(const std::string& args, const std::string& env = "") {
   return capture((env.empty() ? "" : "env " + env + " ") + LOCKSTEP_BIN + " " + args);
-}
-
-// Starts `sh -c CMD` without waiting. The command is built by the caller: the child only execs.
-pid_t spawn_shell(const std::string& cmd) {
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-    ::_exit(127);
-  }
-  return pid;
 }
 
 int count_lines(const std::string& s) {

@@ -115,24 +115,22 @@ TEST(GpuTraining, SkipClipAndAbortOnOneGpu) {
                                    ? "--metrics.log_freq 4 --skip.device_decision on "
                                    : "--skip.device_decision off ";
     test::TempDir dir;
-    auto s = test::capture(std::string(LOCKSTEP_BIN) + " " +
-                           train_args(dir / "skip", policy + "--fault.inject 'nan_grad@5:0'"));
+    const auto train = [&](const char* run, const std::string& extra) {
+      return test::capture(std::string(LOCKSTEP_BIN) + " " + train_args(dir / run, policy + extra));
+    };
+    auto s = train("skip", "--fault.inject 'nan_grad@5:0'");
     ASSERT_EQ(s.code, 0) << s.out;
     const auto m = last_step_record(dir / "skip");
     EXPECT_EQ(m["skipped_steps"], 1) << "the NaN of step 5 and nothing else";
     EXPECT_EQ(m["step"], 12);
-    auto c = test::capture(std::string(LOCKSTEP_BIN) + " " +
-                           train_args(dir / "clip", policy +
-                                                    "--skip.min_history 4 --fault.spike_factor "
-                                                    "50 --fault.inject 'spike@9:0'"));
+    auto c = train("clip", "--skip.min_history 4 --fault.spike_factor 50 --fault.inject "
+                           "'spike@9:0'");
     ASSERT_EQ(c.code, 0) << c.out;
     const auto k = last_step_record(dir / "clip");
     EXPECT_GE(k["clipped_steps"], 1) << "the spike of step 9";
     EXPECT_EQ(k["skipped_steps"], 0);
-    auto a = test::capture(std::string(LOCKSTEP_BIN) + " " +
-                           train_args(dir / "abort", policy +
-                                                     "--skip.max_consecutive 2 --fault.inject "
-                                                     "'nan_grad@5:0, nan_grad@6:0, nan_grad@7:0'"));
+    auto a = train("abort", "--skip.max_consecutive 2 --fault.inject "
+                            "'nan_grad@5:0, nan_grad@6:0, nan_grad@7:0'");
     EXPECT_EQ(a.code, 4) << a.out;
     EXPECT_NE(a.out.find("skip.max_consecutive = 2: 3 skips in a row"), std::string::npos)
         << a.out;

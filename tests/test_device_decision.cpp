@@ -247,11 +247,7 @@ TEST(DeviceDecision, SigtermStopsEveryRankAfterACheckpointedStep) {
   const std::string cmd = "exec " + std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node 2" +
                           " --master-port " + std::to_string(test::free_port()) + " -- " +
                           LOCKSTEP_BIN + " train" + args + " >" + dir / "out.txt" + " 2>&1";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-    ::_exit(127);
-  }
+  const pid_t pid = test::spawn_shell(cmd);
   for (int i = 0; i < 300 && read_jsonl(dir / "run/metrics.jsonl").size() < 4; ++i)
     ::usleep(100000);
   ::kill(pid, SIGTERM);

@@ -31,13 +31,9 @@ std::string job(const std::string& dir, int steps, const std::string& extra = ""
 TEST(RunFolder, ASecondRunIsRefusedWhileTheFirstHoldsIt) {
   test::TempDir dir;
   const std::string run = dir / "run";
-  const pid_t first = ::fork();
-  if (first == 0) {
-    const std::string cmd = std::string(LOCKSTEP_BIN) + " " + job(run, 400, "--training.seed 1") +
-                            " >" + dir / "first.out" + " 2>&1";
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-    ::_exit(127);
-  }
+  const pid_t first =
+      test::spawn_shell(std::string(LOCKSTEP_BIN) + " " + job(run, 400, "--training.seed 1") +
+                        " >" + dir / "first.out" + " 2>&1");
   for (int i = 0; i < 500 && !std::filesystem::exists(run + "/metrics.jsonl"); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const CliRun second = test::run_lockstep(job(run, 400, "--training.seed 2"));

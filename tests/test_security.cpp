@@ -49,11 +49,7 @@ TEST(Security, TheRendezvousStoreListensOnLoopbackOnly) {
                           std::to_string(port) + " -- " + LOCKSTEP_BIN + " train --job.dump_folder " +
                           dir / "run" + " --training.steps 100000 --training.threads 1"
                           " --checkpoint.enable false --metrics.log_freq 1 >/dev/null 2>&1";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-    ::_exit(127);
-  }
+  const pid_t pid = test::spawn_shell(cmd);
   for (int i = 0; i < 6000 && !std::filesystem::exists(dir / "run/metrics.jsonl"); ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   const auto found = listeners(port);

@@ -417,11 +417,7 @@ TEST(Reliability, SigtermStopsEveryRankAfterACheckpoint) {
                           " --nproc-per-node 2 --master-port " + std::to_string(port) + " -- " +
                           LOCKSTEP_BIN + " train" + args +
                           " --checkpoint.interval 100000 >" + dir / "out.txt" + " 2>&1";
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::execl("/bin/sh", "sh", "-c", cmd.c_str(), nullptr);
-    ::_exit(127);
-  }
+  const pid_t pid = test::spawn_shell(cmd);
   // Let it train a little.
   for (int i = 0; i < 300 && read_jsonl(dir / "metrics.jsonl").size() < 20; ++i)
     ::usleep(100000);
