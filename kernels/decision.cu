@@ -18,7 +18,7 @@ __global__ void decide_kernel(const double* table, int world, DecideState* state
   if (threadIdx.x == 0) decide_global(table, world, *state, config, *out, found_inf, grad_scale);
   __syncthreads();  // the outcome, in global memory, is seen by the whole block
   for (int r = static_cast<int>(threadIdx.x); r < world; r += static_cast<int>(blockDim.x))
-    record_rank(*state, config, table, *out, r);
+    record_rank(*state, config, table, *out, Settled{}, r);
 }
 
 }  // namespace

@@ -8,9 +8,14 @@
 // coefficient, the guards' counts and the loss-scale update. Culprit names, causes and events
 // stay on the host: only an anomalous step needs them, a step later.
 //
+// The host decides with these same functions over the same state (src/decide/detector.cpp holds
+// a DecideState whose rings live in host memory and adds only names: reasons, culprits, causes,
+// guard messages); what the host settled before the sync (triage: dropped ranks, replays, the
+// probe) enters as a Settled input, which the device's decision leaves empty.
+//
 // Bit-for-bit agreement between host and device: the same operations in the same order, fp64
-// throughout, and no contraction into FMAs (decision.cu is compiled with --fmad=false; the host
-// build targets x86-64 without FMA).
+// throughout, one canonical NaN in every result, and no contraction into FMAs (decision.cu is
+// compiled with --fmad=false, every host target with -ffp-contract=off: CMakeLists.txt).
 #pragma once
 
 #include <cmath>
@@ -53,6 +58,9 @@ LOCKSTEP_HD inline double inf_value() {
   return std::numeric_limits<double>::infinity();
 #endif
 }
+// The one NaN the core returns (a GPU may give an arithmetic NaN other bits than the CPU).
+LOCKSTEP_HD inline double canonical(double v) { return v != v ? nan_value() : v; }
+
 LOCKSTEP_HD inline double max_of(double a, double b) { return a < b ? b : a; }
 LOCKSTEP_HD inline double min_of(double a, double b) { return b < a ? b : a; }
 
@@ -119,7 +127,8 @@ LOCKSTEP_HD Global reduce_in_rank_order(const Stat& stat, int world, const Dropp
   }
   g.sumsq = sumsq;
   g.grad_norm = norm_of(g.nonfinite, sumsq);
-  g.loss = contributing == 0 ? nan_value() : loss_sum / static_cast<double>(contributing);
+  g.loss = contributing == 0 ? nan_value()
+                             : canonical(loss_sum / static_cast<double>(contributing));
   return g;
 }
 
@@ -188,6 +197,16 @@ struct RankFinding {
   double grad_norm_z = 0, loss_z = 0;
 };
 
+// A rank's own values as its windows hold them: its gradient norm (unscaled: `scale` is the loss
+// scale its gradient carries) and its loss.
+struct RankValues {
+  double grad_norm, loss;
+};
+LOCKSTEP_HD inline RankValues rank_values(const double* row, double scale) {
+  return {canonical(norm_of(row[kLocalNonfinite], row[kLocalSumsq]) / scale),
+          canonical(row[kLoss])};
+}
+
 template <class GAt, class LAt>
 LOCKSTEP_HD RankFinding rank_finding(const double* row, double scale, const GAt& gn,
                                      int64_t gn_size, const LAt& ls, int64_t ls_size,
@@ -199,7 +218,7 @@ LOCKSTEP_HD RankFinding rank_finding(const double* row, double scale, const GAt&
   if (!std::isfinite(loss) || row[kBadSamples] > 0) f.reasons |= kNonfiniteLoss;
   f.samples = row[kBadSamples] > 0;
   if (ls_size < min_history) return f;
-  const double g = norm_of(row[kLocalNonfinite], row[kLocalSumsq]) / scale;
+  const double g = rank_values(row, scale).grad_norm;
   if (std::isfinite(g)) f.grad_norm_z = window_zscore(gn, gn_size, g);
   if (std::isfinite(loss)) f.loss_z = window_zscore(ls, ls_size, loss);
   if (t.grad_norm_zscore > 0 && f.grad_norm_z > t.grad_norm_zscore) f.reasons |= kGradNormSpike;
@@ -348,9 +367,9 @@ LOCKSTEP_HD inline ScaleGuard scale_guard(const LossScaleState& s, const LossSca
   return kNoScaleGuard;
 }
 
-// ---- the whole decision of a step on the device (kernels/decision.cu) -------------------------
+// ---- the whole decision of a step (the host's and the device's) ------------------------------
 
-// A rolling window in device memory: `values[(head + i) % capacity]`, i = 0 the oldest.
+// A rolling window: `values[(head + i) % capacity]`, i = 0 the oldest.
 struct Ring {
   double* values;
   int64_t capacity;
@@ -395,9 +414,9 @@ LOCKSTEP_HD inline void rank_ring_push(const RankWindows& w, int rank, int k, do
   w.meta[2 * i + 1] = static_cast<double>(r.size);
 }
 
-// Everything a decision reads and advances, in device memory: the global windows, each rank's
-// own, the last fraction_window decisions (1 = skipped), the loss scale, the run's counters and
-// the sticky abort.
+// Everything a decision reads and advances (host or device memory): the global windows, each
+// rank's own, the last fraction_window decisions (1 = skipped), the skip guards' count, the loss
+// scale and the sticky abort. The run's counters (steps, skips, clips) are the trainer's.
 struct DecideState {
   Ring grad_norms, losses;
   Ring recent;  // 0 / 1 per decision, oldest first; recent_skips = their sum
@@ -405,7 +424,7 @@ struct DecideState {
   double* scratch;  // `world` doubles: the cross-rank median's sort
   int64_t recent_skips;
   LossScaleState scale;
-  int64_t consecutive_skips, optimizer_steps, skipped_steps, overflow_skips, clipped_steps;
+  int64_t consecutive_skips;
   int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
 
@@ -430,6 +449,19 @@ inline DecideState fresh_decide_state(double* rings, int64_t window, int64_t fra
   return s;
 }
 
+// The same state with its rings moved from `from` to `to` (a copy of the same block: the host's
+// rings uploaded to the device in one copy).
+inline DecideState relocated(DecideState s, const double* from, double* to) {
+  const auto move = [from, to](double* p) { return to + (p - from); };
+  s.grad_norms.values = move(s.grad_norms.values);
+  s.losses.values = move(s.losses.values);
+  s.recent.values = move(s.recent.values);
+  s.ranks.meta = move(s.ranks.meta);
+  s.ranks.values = move(s.ranks.values);
+  s.scratch = move(s.scratch);
+  return s;
+}
+
 struct DecideConfig {
   Thresholds thresholds;
   int64_t min_history = 0;
@@ -441,28 +473,41 @@ struct DecideConfig {
   double max_fraction = 0;
   int64_t fraction_window = 0;
   int32_t on_global_spike = kSpikeSkip;  // GlobalSpike
+  int32_t hardware_abort = 0;            // skip.on_hardware_fault = "abort"
+};
+
+// What the host settled before the sync (skip.scope = "rank", skip.replay, the probe: triage.cpp);
+// the device's decision has none of it.
+struct Settled {
+  const uint8_t* dropped;  // per rank (nullptr: none): its contribution was dropped (zeros synced)
+  int32_t culprits;        // local culprits named before the sync
+  int32_t skip_step;       // their gradients stay bad and cannot all be dropped
+  int32_t suspects;        // devices a replay or the probe blamed
 };
 
 enum Outcome : int32_t { kTake = 0, kSkipStep = 1, kAbortRun = 2 };
 // Why an abort: a skip guard (Guard), a loss-scale guard (10 + ScaleGuard), skip.enabled =
-// false, an earlier abort, or skip.on_global_spike = "abort".
+// false, an earlier abort, skip.on_global_spike = "abort" or skip.on_hardware_fault = "abort".
 enum AbortWhy : int32_t {
   kNotAborted = 0,
   kSkipDisabled = 20,
   kStickyAbort = 21,
-  kGlobalSpikeAbort = 22
+  kGlobalSpikeAbort = 22,
+  kHardwareFaultAbort = 23
 };
 
 // What the host reads a step later (pinned); found_inf and grad_scale go to the fused AdamW
 // now, on the device.
 struct DecideResult {
   double grad_norm, loss, grad_norm_z, loss_z, clip, loss_scale;
+  double nonfinite, overflow_runs;  // the global counts: nonfinite elements, fp32-overflowed runs
   double clip_to;     // a clip decision's bound (0: none)
   uint32_t reasons;   // kNonfiniteGrad, ... (an overflow: kNonfiniteGrad with `overflow`)
   int32_t outcome;    // Outcome
   int32_t why;        // Guard, 10 + ScaleGuard, or AbortWhy
   int32_t overflow;   // loss scaling on, a nonfinite gradient and every loss finite
   int32_t clipped;    // taken, clipped: a global spike with skip.on_global_spike = "clip"
+  int32_t salvaged;   // taken without the dropped ranks' contributions
   int32_t stop;       // a rank asked all to stop
   int64_t skips_in_window;  // for the max_fraction guard's message
 };
@@ -491,16 +536,14 @@ LOCKSTEP_HD inline bool is_global(const double* table, int world, const DecideSt
 }
 
 // The outcome of an anomalous step (not an overflow) under the policy: skipped (or aborted by a
-// guard), or, for a global spike, clipped or aborted as skip.on_global_spike says.
+// guard), or, for a global spike, clipped or aborted as skip.on_global_spike says. Culprits
+// named before the sync make the anomaly local.
 LOCKSTEP_HD inline void apply_policy(const double* table, int world, const DecideState& s,
-                                     const DecideConfig& c, DecideResult& out) {
-  if (!c.thresholds.enabled) {
-    out.outcome = kAbortRun;
-    out.why = kSkipDisabled;
-    return;
-  }
+                                     const DecideConfig& c, bool settled_local,
+                                     DecideResult& out) {
   const bool nonfinite = (out.reasons & (kNonfiniteGrad | kNonfiniteLoss)) != 0;
-  if (c.on_global_spike != kSpikeSkip && !nonfinite && is_global(table, world, s, c, out.reasons)) {
+  if (c.on_global_spike != kSpikeSkip && !nonfinite && !settled_local &&
+      is_global(table, world, s, c, out.reasons)) {
     if (c.on_global_spike == kSpikeAbort) {
       out.outcome = kAbortRun;
       out.why = kGlobalSpikeAbort;
@@ -520,21 +563,24 @@ LOCKSTEP_HD inline void apply_policy(const double* table, int world, const Decid
   out.why = guard;
 }
 
-// The numbers and the outcome of one step; `s` is not changed (but for its scratch).
-LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideState& s,
-                                   const DecideConfig& c, DecideResult& out) {
+// The global numbers of a step: reduced in rank order (without the dropped ranks' losses),
+// unscaled, with their z-scores and the threshold reasons.
+LOCKSTEP_HD inline void score_numbers(const double* table, int world, const DecideState& s,
+                                      const DecideConfig& c, const Settled& settled,
+                                      DecideResult& out) {
   const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
-  const auto none = [](int) { return false; };
-  const Global g = reduce_in_rank_order(stat, world, none);
+  const auto dropped = [&settled](int i) { return settled.dropped && settled.dropped[i] != 0; };
+  const Global g = reduce_in_rank_order(stat, world, dropped);
+  out = DecideResult{};
   out.loss_scale = s.scale.scale;
-  out.grad_norm = s.scale.scale != 1.0 ? g.grad_norm / s.scale.scale : g.grad_norm;
+  out.grad_norm = canonical(s.scale.scale != 1.0 ? g.grad_norm / s.scale.scale : g.grad_norm);
   out.loss = g.loss;
   out.stop = g.stop ? 1 : 0;
-  out.overflow = c.loss_scale.enabled && g.nonfinite > 0 && !g.loss_nonfinite ? 1 : 0;
-  out.why = kNotAborted;
-  out.skips_in_window = 0;
-  out.clip_to = 0;
-  out.clipped = 0;
+  out.nonfinite = g.nonfinite;
+  out.overflow_runs = g.overflow_runs;
+  out.clip = 1.0;
+  out.overflow =
+      c.loss_scale.enabled && g.nonfinite > 0 && !g.loss_nonfinite && settled.culprits == 0;
   const bool zscores = s.grad_norms.size >= c.min_history && !out.overflow;
   const auto gn = [&s](int64_t i) { return ring_at(s.grad_norms, i); };
   const auto ls = [&s](int64_t i) { return ring_at(s.losses, i); };
@@ -544,24 +590,44 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
   out.loss_z = zscores && std::isfinite(out.loss) ? window_zscore(ls, s.losses.size, out.loss)
                                                   : nan_value();
   out.reasons = reasons_of(g, out.grad_norm, out.grad_norm_z, out.loss_z, c.thresholds);
+  for (int i = 0; i < world; ++i) out.salvaged |= dropped(i) ? 1 : 0;
+}
+
+// The numbers and the outcome of one step; `s` is not changed (but for its scratch).
+LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideState& s,
+                                   const DecideConfig& c, const Settled& settled,
+                                   DecideResult& out) {
+  score_numbers(table, world, s, c, settled, out);
   if (out.overflow) {  // the loss scale, not the data: skipped, backed off, its own guards
     const ScaleGuard sg = scale_guard(s.scale, c.loss_scale, c.loss_scale_max_overflows,
                                       c.loss_scale_min);
     out.outcome = sg == kNoScaleGuard ? kSkipStep : kAbortRun;
     out.why = sg == kNoScaleGuard ? kNotAborted : 10 + sg;
-  } else if (out.reasons == 0) {
-    out.outcome = kTake;
-  } else {
-    apply_policy(table, world, s, c, out);
+    out.salvaged = 0;
+    return;
   }
-  out.clip = out.outcome == kTake
-                 ? clip_coefficient(out.grad_norm, clip_limit(out.clip_to, c.max_norm))
-                 : 1.0;
+  if (out.reasons != 0 || settled.skip_step) {
+    out.salvaged = 0;
+    if (!c.thresholds.enabled) {  // stock behaviour: a nonfinite value stops the job
+      out.outcome = kAbortRun;
+      out.why = kSkipDisabled;
+      return;
+    }
+    apply_policy(table, world, s, c, settled.culprits > 0, out);
+  }
+  if (out.outcome != kAbortRun && settled.suspects > 0 && c.hardware_abort) {
+    out.outcome = kAbortRun;
+    out.why = kHardwareFaultAbort;
+    out.clipped = out.salvaged = 0;
+    return;
+  }
+  if (out.outcome == kTake)
+    out.clip = clip_coefficient(out.grad_norm, clip_limit(out.clip_to, c.max_norm));
 }
 
-// The decided step's effect on the global state (as the host's SkipDetector::record,
-// LossScaler::record and the trainer's counters): an abort sets the sticky flag and changes
-// nothing else; a clip enters the windows bounded to their limits.
+// The decided step's effect on the global state: an abort sets the sticky flag and changes
+// nothing else; an overflow backs the loss scale off; a skip counts toward the guards; a taken
+// step (clipped: bounded to the windows' limits) enters the windows.
 LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
                                     const DecideResult& r) {
   if (r.outcome == kAbortRun) {
@@ -570,13 +636,11 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
   }
   if (r.overflow) {
     loss_scale_record(s.scale, c.loss_scale, true, false);
-    ++s.overflow_skips;
     return;
   }
   const bool skipped = r.outcome == kSkipStep;
   if (skipped) {
     ++s.consecutive_skips;
-    ++s.skipped_steps;
   } else {
     s.consecutive_skips = 0;
     const auto ls = [&s](int64_t i) { return ring_at(s.losses, i); };
@@ -586,8 +650,6 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
     ring_push(s.grad_norms, r.clipped && r.clip_to > 0 ? min_of(r.grad_norm, r.clip_to)
                                                         : r.grad_norm);
     ring_push(s.losses, loss);
-    ++s.optimizer_steps;
-    s.clipped_steps += r.clipped ? 1 : 0;
   }
   if (s.recent.capacity > 0) {
     if (s.recent.size == s.recent.capacity) s.recent_skips -= ring_at(s.recent, 0) != 0 ? 1 : 0;
@@ -598,13 +660,11 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
 }
 
 // A taken step's effect on rank `rank`'s own windows (each rank is independent: the device
-// records them in parallel): its gradient norm and loss enter, bounded on a clip.
-LOCKSTEP_HD inline void record_rank(DecideState& s, const DecideConfig& c, const double* table,
-                                    const DecideResult& r, int rank) {
+// records them in parallel): its values `v` enter, bounded on a clip.
+LOCKSTEP_HD inline void record_rank_values(DecideState& s, const DecideConfig& c,
+                                           const DecideResult& r, int rank, RankValues v) {
   if (r.outcome != kTake || r.overflow) return;
-  const double* row = table + rank * kStatsDoubles;
-  const double values[2] = {norm_of(row[kLocalNonfinite], row[kLocalSumsq]) / r.loss_scale,
-                            row[kLoss]};
+  const double values[2] = {v.grad_norm, v.loss};
   const double zs[2] = {c.thresholds.grad_norm_zscore, c.thresholds.loss_zscore};
   for (int k = 0; k < 2; ++k) {
     const Ring w = rank_ring(s.ranks, rank, k);
@@ -615,11 +675,17 @@ LOCKSTEP_HD inline void record_rank(DecideState& s, const DecideConfig& c, const
   }
 }
 
+// The same from the exchanged table; a dropped rank's values do not enter.
+LOCKSTEP_HD inline void record_rank(DecideState& s, const DecideConfig& c, const double* table,
+                                    const DecideResult& r, const Settled& settled, int rank) {
+  if (settled.dropped && settled.dropped[rank] != 0) return;
+  record_rank_values(s, c, r, rank, rank_values(table + rank * kStatsDoubles, r.loss_scale));
+}
+
 // One step's decision and its effect on the global state (the device runs it on one thread,
 // then record_rank on one thread per rank): STEP, SKIP, CLIP or ABORT from the exchanged table
-// and the state, as the host decides it with nothing settled before the sync (no salvage, no
-// replay): found_inf = 1 blocks the fused AdamW on a skip or an abort (and on every step
-// after an abort), grad_scale = loss scale / clip.
+// and the state, with nothing settled before the sync: found_inf = 1 blocks the fused AdamW on
+// a skip or an abort (and on every step after an abort), grad_scale = loss scale / clip.
 LOCKSTEP_HD inline void decide_global(const double* table, int world, DecideState& s,
                                       const DecideConfig& c, DecideResult& out, float* found_inf,
                                       float* grad_scale) {
@@ -633,7 +699,7 @@ LOCKSTEP_HD inline void decide_global(const double* table, int world, DecideStat
     *grad_scale = 1.0f;
     return;
   }
-  score_step(table, world, s, c, out);
+  score_step(table, world, s, c, Settled{}, out);
   *found_inf = out.outcome == kTake ? 0.0f : 1.0f;
   *grad_scale = static_cast<float>(out.loss_scale / out.clip);
   record_step(s, c, out);
@@ -644,7 +710,7 @@ LOCKSTEP_HD inline void decide_step(const double* table, int world, DecideState&
                                     const DecideConfig& c, DecideResult& out, float* found_inf,
                                     float* grad_scale) {
   decide_global(table, world, s, c, out, found_inf, grad_scale);
-  for (int r = 0; r < world; ++r) record_rank(s, c, table, out, r);
+  for (int r = 0; r < world; ++r) record_rank(s, c, table, out, Settled{}, r);
 }
 
 // decide_step as a kernel on `stream` (a cudaStream_t): decide_global on one thread, then

@@ -2,7 +2,7 @@
 # The code's shape, checked (CI runs it; so does ctest, as Code.Shape):
 #   - no function in src/ or launch/*.cpp longer than 80 lines (lizard, from PyPI; setup.sh
 #     installs it into .venv),
-#   - the training step (step in src/train.cpp) at most 60 lines, the loop (run) at most 40,
+#   - the training step (issue in src/train.cpp) at most 60 lines, the loop (run) at most 40,
 #     src/train.cpp at most 250 lines,
 #   - include/lockstep/ (the public API) includes no private header.
 # Prints every violation and exits 1 if there is one.
@@ -29,7 +29,7 @@ limit() {  # function, maximum lines
   [[ -n "$n" ]] || { fail "src/train.cpp has no function $1"; return; }
   ((n <= $2)) || fail "src/train.cpp: $1 is $n lines, at most $2"
 }
-limit step 60
+limit issue 60
 limit run 40
 lines=$(wc -l <src/train.cpp)
 ((lines <= 250)) || fail "src/train.cpp is $lines lines, at most 250"
@@ -39,5 +39,5 @@ if grep -n '#include "' include/lockstep/*.h | grep -v '#include "lockstep/'; th
   fail "include/lockstep/ includes private headers (listed above)"
 fi
 
-((status == 0)) && echo "lockstep lint: ok (functions <= 80 lines, step $(awk -F, '$8 == "\"lockstep::step\"" {print $5}' <<<"$csv") lines, loop $(awk -F, '$8 == "\"lockstep::run\"" {print $5}' <<<"$csv") lines, src/train.cpp $lines lines)"
+((status == 0)) && echo "lockstep lint: ok (functions <= 80 lines, issue $(awk -F, '$8 == "\"lockstep::issue\"" {print $5}' <<<"$csv") lines, loop $(awk -F, '$8 == "\"lockstep::run\"" {print $5}' <<<"$csv") lines, src/train.cpp $lines lines)"
 exit $status

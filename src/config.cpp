@@ -1,6 +1,6 @@
 // The one place that reads TOML. Every key is declared once in a table (name, type, bounds,
 // meaning, where it lives in Config); parsing, command-line overrides, validation, `config
-// show` and the README reference are all driven by that table.
+// show` and docs/config.md are all driven by that table.
 #include "lockstep/config.h"
 
 #include <fmt/core.h>
@@ -454,10 +454,8 @@ void diagnostics_and_fault_fields(std::vector<Field>& t) {
   t.push_back(int_field("diagnostics", "top_params", &C::diagnostics, &G::top_params, 0, 1 << 20,
                         "parameters named per skip or abort event"));
   t.push_back(string_field("fault", "inject", &C::fault, &F::inject,
-                           "faults at given steps: \"KIND@STEP:RANK, ...\", KIND one of "
-                           "nan_grad, inf_grad, nan_loss, spike, crash (SIGKILL on the first "
-                           "attempt), desync (perturb this rank's weights), overflow (x 2^24 "
-                           "before backward: fp16 gradients overflow) (tests and demos)"));
+                           "faults at given steps: \"KIND@STEP:RANK, ...\" (1-based steps as "
+                           "logged), KIND a fault kind of the table below (tests and demos)"));
   t.push_back(float_field("fault", "spike_factor", &C::fault, &F::spike_factor, 0, true, kInf,
                           "a spike multiplies the loss and its gradient by this"));
   t.push_back(string_field("fault", "poison_ids", &C::fault, &F::poison_ids,
@@ -467,7 +465,8 @@ void diagnostics_and_fault_fields(std::vector<Field>& t) {
   t.push_back(int_field("fault", "random_seed", &C::fault, &F::random_seed, 0, kMaxInt,
                         "seed of the random faults"));
   t.push_back(string_field("fault", "random_kinds", &C::fault, &F::random_kinds,
-                           "kinds the random faults draw from, comma-separated"));
+                           "fault kinds (the table below) the random faults draw from, "
+                           "comma-separated"));
 }
 
 // Every key, in the order `config show` prints them.
@@ -985,7 +984,7 @@ std::string config_reference_markdown() {
     out += fmt::format("| `{}` | {} | `{}` | {} |\n", f.name(), ty, value_text(f.get(defaults)),
                        f.help);
   }
-  return out;
+  return out + "\n" + fault_kinds_markdown();
 }
 
 std::vector<Override> parse_overrides(const std::vector<std::string>& args) {

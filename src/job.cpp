@@ -110,18 +110,21 @@ void log_setup(const Job& j) {
               c.skip.max_grad_norm, c.skip.grad_norm_zscore, c.skip.loss_zscore, c.skip.window,
               c.skip.min_history, c.skip.max_consecutive, c.skip.max_fraction,
               c.skip.fraction_window, name_of(c.lr_scheduler.on_skip));
-  if (decides_on_device(c, j.device))
+  if (decides_on_device(c, j.device, j.ranks.local_world_size))
     log::info("decision: on {}, read by the host a step later (skip.device_decision)",
               j.device.str());
   else if (j.device.is_cuda() && !device_decision_blocker(c).empty())
     log::info("decision: on the host, one sync per step ({} has no device form)",
               device_decision_blocker(c));
+  else if (j.device.is_cuda() && c.skip.device_decision == DeviceDecisionMode::kAuto)
+    log::info("decision: on the host, one sync per step ({})",
+              decides_on_host_because(c, j.device, j.ranks.local_world_size));
   if (t.mixed_precision_param != Precision::kFloat32 ||
       t.mixed_precision_reduce != ReducePrecision::kFloat32)
     log::info("mixed precision: {} forward and backward, {} gradient reduction, fp32 master "
               "weights and moments; loss scale {}",
               name_of(t.mixed_precision_param), name_of(t.mixed_precision_reduce), t.loss_scale);
-  if (t.mixed_precision_param == Precision::kFloat16 && !j.scaler->enabled())
+  if (t.mixed_precision_param == Precision::kFloat16 && !j.detector->loss_scaling())
     log::warn("training.mixed_precision_param = \"float16\" with training.loss_scale = \"none\": "
               "small gradients underflow to zero in fp16; set training.loss_scale = \"dynamic\"");
   if (!j.faults->empty()) log::warn("fault injection is on ([fault]): this run is a test or demo");
@@ -155,12 +158,11 @@ std::unique_ptr<Job> build_job(const Config& config) {
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   build_model(j);
   j.peak_flops = peak_flops(c, j.device);
-  j.detector = std::make_unique<SkipDetector>(c.skip);
+  j.detector = std::make_unique<SkipDetector>(c.skip, c.training, j.ranks.world_size);
   // A replay on the CPU reproduces bit for bit; GPU kernels (atomics in the embedding backward)
   // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
   j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),
                                         j.ranks.rank, j.device.is_cuda() ? 1e-4 : 0.0);
-  j.scaler = std::make_unique<LossScaler>(c.training);
   j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
                                             j.dp->grads(), hostname(), j.device.str());
   j.schedule = schedule_of(c);
@@ -207,7 +209,7 @@ void load(Job& j, int64_t step) {
               j.detector->consecutive_skips());
     j.detector->reset_guards();
   }
-  j.scaler->load_state(j.state.loss_scale);
+  j.detector->load_loss_scale(j.state.loss_scale);
   std::vector<int64_t> newer;
   for (int64_t s : j.checkpointer->steps())
     if (s > step) newer.push_back(s);
@@ -254,7 +256,7 @@ void resume(Job& j) {
 std::string save_checkpoint(Job& j) {
   if (!j.config.checkpoint.enable) return "";
   j.state.detector = j.detector->state();
-  j.state.loss_scale = j.scaler->state();
+  j.state.loss_scale = j.detector->loss_scale_state();
   const double before = resident_mib();
   const bool peak = reset_peak_resident();
   const auto start = Clock::now();

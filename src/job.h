@@ -16,7 +16,6 @@
 #include "comm/comm.h"
 #include "decide/detector.h"
 #include "decide/device_decision.h"
-#include "decide/loss_scale.h"
 #include "decide/triage.h"
 #include "diag/event.h"
 #include "diag/explain.h"
@@ -50,7 +49,6 @@ struct Job {
   std::unique_ptr<GradCheck> local_check;    // [A] this rank's own gradient; null when off
   std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
   std::unique_ptr<SkipDetector> detector;    // the decision and its windows
-  std::unique_ptr<LossScaler> scaler;        // fp16 loss scaling (scale 1 when off)
   std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
   std::unique_ptr<DeviceDecision> decision;  // skip.device_decision; null: the host decides
   std::map<int, std::vector<int64_t>> suspects;  // ranks a replay or probe blamed, by step

@@ -11,17 +11,17 @@
 
 namespace lockstep {
 
-void explain(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
-             double lr) {
-  read_to_host(s);
-  const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
+Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
+              const SampleTable& samples, double lr) {
   const Event e =
       job.explainer->event(job.state.step + 1, job.state, s, v, table, samples, *job.detector, lr);
   job.events->write(to_json(e));
-  if (v.decision != Decision::kAbort) {
+  if (v.decision != Decision::kAbort)
     log::write(job.lead ? log::Level::kWarn : log::Level::kInfo, skip_message(e));
-    return;
-  }
+  return e;
+}
+
+void abort_run(Job& job, const Event& e, const Verdict& v) {
   log::flush();
   std::string saved = "no checkpoint (checkpoint.enable = false)";
   if (job.config.checkpoint.enable && job.state.step > 0)
@@ -65,18 +65,9 @@ void validate(Job& job, Progress& progress) {
 }
 
 void advance(Job& job, const Verdict& v, int64_t data_position) {
-  const bool skip = v.decision == Decision::kSkip;
-  job.detector->record(v);
-  job.scaler->record(v.overflow, !skip);  // the same verdict everywhere: the same scale
+  job.detector->record(v);  // windows, guards, loss scale: the same verdict, the same state
   for (int r : v.hardware_suspects) job.suspects[r].push_back(job.state.step + 1);
-  TrainState& st = job.state;
-  st.step += 1;
-  st.optimizer_steps += skip ? 0 : 1;
-  st.skipped_steps += skip && !v.overflow ? 1 : 0;
-  st.overflow_skips += v.overflow ? 1 : 0;
-  count_outcome(st, v);
-  st.data_position = data_position;
-  st.tokens_seen += job.tokens_per_step;
+  count(job.state, v, job.tokens_per_step, data_position);
 }
 
 void warn_overflow(int64_t step, const Verdict& v) {
@@ -85,26 +76,27 @@ void warn_overflow(int64_t step, const Verdict& v) {
               v.grad_norm);
 }
 
-bool host_needs_step(const Job& job, int64_t n) {
+AfterStep after_of(const Job& job, int64_t n) {
   const Config& c = job.config;
   const int64_t every = c.diagnostics.verify_every;
-  return n == c.training.steps || n % c.metrics.log_freq == 0 ||
-         (c.checkpoint.enable && n % c.checkpoint.interval == 0) ||
-         (job.validator && job.validator->due(n)) || (job.comm && every > 0 && n % every == 0);
+  AfterStep a;
+  a.last = n == c.training.steps;
+  a.log = n % c.metrics.log_freq == 0 || a.last;
+  a.validate = job.validator && job.validator->due(n);
+  a.verify = job.comm && every > 0 && (n % every == 0 || a.last);
+  a.save = c.checkpoint.enable && (n % c.checkpoint.interval == 0 || a.last);
+  return a;
 }
 
 bool after_step(Job& job, Progress& progress, TrainResult& result, const StepResult& r,
                 int64_t& last_verified, bool may_stop) {
-  const Config& c = job.config;
+  const AfterStep a = after_of(job, job.state.step);
   result.losses.push_back(r.verdict.loss);
-  progress.step_done(job.state, r.verdict, *job.detector, r.lr, r.clip, r.costs);
-  if (job.validator && job.validator->due(job.state.step)) validate(job, progress);
-  const bool last = job.state.step == c.training.steps;
-  const int64_t every = c.diagnostics.verify_every;
-  if (job.comm && every > 0 && (job.state.step % every == 0 || last)) verify(job, last_verified);
-  const bool saved = c.checkpoint.enable && (job.state.step % c.checkpoint.interval == 0 || last);
-  if (saved) save_checkpoint(job);
-  if (r.verdict.stop && !last && may_stop) stop(job, saved);
+  progress.step_done(job.state, r.verdict, *job.detector, r.lr, r.clip, r.costs, a.log);
+  if (a.validate) validate(job, progress);
+  if (a.verify) verify(job, last_verified);
+  if (a.save) save_checkpoint(job);
+  if (r.verdict.stop && !a.last && may_stop) stop(job, a.save);
   return r.verdict.stop;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "compute.h"
+#include "decide/exchange.h"
 #include "diag/metrics.h"
 #include "job.h"
 #include "lockstep/train.h"
@@ -26,19 +27,27 @@ void advance(Job& job, const Verdict& v, int64_t data_position);
 // A warning when the gradient's squares overflowed fp32 (summed in fp64) with nothing nonfinite.
 void warn_overflow(int64_t step, const Verdict& v);
 
-// Whether the host needs step n's state before the next update: after_step acts on it.
-bool host_needs_step(const Job& job, int64_t n);
+// What the host does after step n (1-based), each a reason to finish a device-decided step at
+// once: after_step acts on exactly these.
+struct AfterStep {
+  bool log = false, validate = false, verify = false, save = false, last = false;
+  bool any() const { return log || validate || verify || save || last; }
+};
+AfterStep after_of(const Job& job, int64_t n);
 
 // After a step: progress, validate, verify, save; a stop (unless `may_stop` is false: the
 // device loop then finishes the step after it first). Returns whether a stop was asked.
 bool after_step(Job& job, Progress& progress, TrainResult& result, const StepResult& r,
                 int64_t& last_verified, bool may_stop = true);
 
-// Every rank writes its event (its own view plus the agreed table) for the step after
-// job.state.step. A skip is logged; an abort saves the last good state (the weights are still
-// it) and throws TrainingAborted.
-void explain(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
-             double lr);
+// Every rank writes its event (its own view plus the agreed table, every rank's sample ids in
+// `samples`) for the step after job.state.step; anything but an abort is logged. No collective.
+Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
+              const SampleTable& samples, double lr);
+
+// An abort's end: every rank saves the last good state (the weights are still it) and throws
+// TrainingAborted with the event's one line (exit 5, or 6 for skip.on_hardware_fault).
+[[noreturn]] void abort_run(Job& job, const Event& e, const Verdict& v);
 
 // Every rank saw the same stop request in the same all-gather: all stop after this step
 // (saving it unless `saved`). Throws the Error that ends the run with 128 + the signal.

@@ -8,10 +8,12 @@
 //   -> explain: only when anomalous (events, scope and cause, culprits, samples, parameters)
 //   -> apply: fused AdamW with found_inf (a skip) and grad_scale (the clip), counters
 //
-// With the decision on the device (skip.device_decision) the step splits in two: issue runs
-// the same data flow up to the update with the table and the decision left on the device (no
-// host sync on a clean step), and finish, a step later, reads the copied table, takes the same
-// decision on the host (explain, counters, progress) and checks the device agreed.
+// A step is issued (up to its update), then finished (its counters, progress, checkpoints) with
+// a lag: at once when the host decides (lag 0), or a step later when the device decides
+// (skip.device_decision, lag 1: the table and the decision stay on the device and a clean step
+// never waits for the host; finish reads the copied table, takes the same decision on the host
+// for the explanation and the counters, and checks the device agreed). A step whose state the
+// host needs (after_of) is finished at once either way.
 //
 // job.cpp builds every component from the config; each component owns its algorithm.
 #include "lockstep/train.h"
@@ -37,8 +39,7 @@ namespace {
 TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
   if (!job.triager->needs_input(step)) return {};
   read_to_host(s);
-  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses,
-          job.scaler->scale()};
+  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses};
 }
 
 // This rank's batch of 1-based `step`, forward and backward, then [A] its own gradient.
@@ -73,9 +74,26 @@ at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
 std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
   const at::Tensor row = sync_and_row(job, s, t);
   const auto start = Clock::now();
-  std::vector<RankStats> table = exchange_stats(row, job.comm.get());
+  const at::Tensor gathered = gather_rows(job.comm.get(), row);
+  const auto read = Clock::now();
+  std::vector<RankStats> table = stats_of(gathered.cpu());  // on a GPU: waits for the step
+  if (gathered.is_cuda()) {
+    s.costs.wait += seconds_since(read);
+    s.costs.waits += 1;
+  }
   s.costs.decision += seconds_since(start);
   return table;
+}
+
+// An anomalous step's explanation: every rank exchanges its batch's sample ids and writes its
+// event; an abort ends the run here, the last good state saved.
+void explain_step(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
+                  double lr) {
+  if (!v.anomalous()) return;
+  read_to_host(s);
+  const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
+  const Event e = explain(job, s, v, table, samples, lr);
+  if (v.decision == Decision::kAbort) abort_run(job, e, v);
 }
 
 // The update (sharded: then the all-gather of the blocks); a skip reaches the fused AdamW as
@@ -86,121 +104,116 @@ void update(Job& job, double lr, const UpdateControl& control) {
   job.faults->after_update(job.model->parameters());
 }
 
-// The clip of a taken step: the agreed norm against training.max_norm (or a clip decision's
-// lower bound); the loss scale is divided out in the same pass (grad_scale = scale / clip).
-double clip_of(const Job& job, const Verdict& v) {
-  if (v.decision == Decision::kSkip) return 1.0;
-  return clip_coefficient(v.grad_norm,
-                          kernels::clip_limit(v.clip_to, job.config.training.max_norm));
-}
-
-// One step, 1-based `step`, at learning rate `lr`, decided on the host.
-StepResult step(Job& job, int64_t step, double lr) {
-  RankStep s = compute(job, step);
-  const Recompute replay = replayer(job, s, step);
-  Triage triage =
-      job.triager->before_sync(*job.detector, triage_input(job, s, step), replay, s.costs);
-  const std::vector<RankStats> table = measure(job, s, triage);
-  job.triager->probe(step, table, triage_input(job, s, step), replay, triage, s.costs);
-  const auto start = Clock::now();
-  StepResult r{job.detector->decide(table, *job.scaler, triage), lr};
-  s.costs.decision += seconds_since(start);
-  r.costs = s.costs;
-  const Verdict& v = r.verdict;
-  warn_overflow(step, v);
-  if (v.anomalous()) explain(job, s, v, table, lr);
-  r.clip = clip_of(job, v);
-  update(job, lr, {v.decision == Decision::kSkip, r.clip, v.loss_scale});
-  advance(job, v, job.sampler->position());
-  return r;
-}
-
-// A step decided on the device, between its issue and its finish.
+// A step between its issue and its finish.
 struct Issued {
   int64_t step = 0;
   double lr = 0;
   RankStep s;
   int64_t data_position = 0;
+  std::optional<StepResult> decided;  // decided on the host: the verdict, before the update
 };
 
-// The step up to its update, decided on the device: nothing waits for the host.
-Issued issue(Job& job, int64_t step, double lr) {
-  Issued i{step, lr, compute(job, step), 0};
+// The step decided on the host (lag 0): triage, measure, decide, explain, then the update.
+void decide_on_host(Job& job, Issued& i) {
+  RankStep& s = i.s;
+  const Recompute replay = replayer(job, s, i.step);
+  Triage triage =
+      job.triager->before_sync(*job.detector, triage_input(job, s, i.step), replay, s.costs);
+  const std::vector<RankStats> table = measure(job, s, triage);
+  job.triager->probe(i.step, table, triage_input(job, s, i.step), replay, triage, s.costs);
+  const auto start = Clock::now();
+  StepResult r{job.detector->decide(table, triage), i.lr};
+  s.costs.decision += seconds_since(start);
+  const Verdict& v = r.verdict;
+  warn_overflow(i.step, v);
+  explain_step(job, s, v, table, i.lr);
+  // The clip (the core's, against training.max_norm or a clip decision's lower bound) and the
+  // loss scale are divided out in the update's one pass (grad_scale = scale / clip).
+  r.clip = v.clip;
+  update(job, i.lr, {v.decision == Decision::kSkip, r.clip, v.loss_scale});
+  i.decided = std::move(r);
+}
+
+// The step decided on the device (lag 1): nothing before the update waits for the host.
+void decide_on_device(Job& job, Issued& i) {
   const at::Tensor row = sync_and_row(job, i.s, {});
-  const auto decided = Clock::now();
-  const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), row), step);
-  i.s.costs.decision += seconds_since(decided);
-  update(job, lr, UpdateControl::on_device(u.found_inf, u.grad_scale));
+  const auto start = Clock::now();
+  const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), row), i.step);
+  i.s.costs.decision += seconds_since(start);
+  update(job, i.lr, UpdateControl::on_device(u.found_inf, u.grad_scale));
+}
+
+// Step 1-based `step` at learning rate `lr`, up to its update.
+Issued issue(Job& job, int64_t step, double lr) {
+  Issued i{step, lr, compute(job, step), 0, std::nullopt};
+  if (job.decision) decide_on_device(job, i);
+  else decide_on_host(job, i);
   i.data_position = job.sampler->position();
   return i;
 }
 
-// The issued step's verdict, a step later: the host takes the same decision from the copied
-// table (the device's windows are the host's, bit for bit) and checks the device agreed.
-StepResult finish(Job& job, Issued& i) {
+// The device's verdict of an issued step, a step later: the host takes the same decision from
+// the copied table (the device's state is the host's, bit for bit) and checks the device agreed.
+StepResult read_device_verdict(Job& job, Issued& i) {
   const auto start = Clock::now();
   const DeviceDecision::Late late = job.decision->read(i.step);
-  StepResult r{job.detector->decide(late.table, *job.scaler), i.lr};
+  StepResult r{job.detector->decide(late.table), i.lr};
   i.s.costs.decision += seconds_since(start);
-  r.costs = i.s.costs;
+  i.s.costs.wait += late.waited;
+  i.s.costs.waits += late.waited > 0 ? 1 : 0;
   const Verdict& v = r.verdict;
-  r.clip = clip_of(job, v);
+  r.clip = v.clip;
   expect_same_decision(i.step, v, r.clip, late);
   warn_overflow(i.step, v);
-  if (v.anomalous()) explain(job, i.s, v, late.table, i.lr);
-  advance(job, v, i.data_position);
+  explain_step(job, i.s, v, late.table, i.lr);
   return r;
 }
 
-// One host-decided step, its host syncs watched from the third step of this process on.
-StepResult watched_step(Job& job, int64_t first_step, double lr) {
-  const SyncWatch watch(job.state.step >= first_step + 2);
-  return step(job, job.state.step + 1, lr);
+// The issued step's verdict reaches the run's state: counters, windows, data position.
+StepResult finish(Job& job, Issued& i) {
+  StepResult r = i.decided ? std::move(*i.decided) : read_device_verdict(job, i);
+  r.costs = i.s.costs;
+  advance(job, r.verdict, i.data_position);
+  return r;
 }
 
-// The device loop: step n is issued, then the step before it finished. A step whose state the
-// host needs before the next update (a log, checkpoint, validation or verify step, the last,
-// or the one after a stop request) is finished at once.
-void run_on_device(Job& job, Progress& progress, TrainResult& result, int64_t& last_verified) {
-  const Config& c = job.config;
+// The loop: issue step n, finish the step before it if it waited, then step n at once when the
+// host decides, when the host needs it (after_of: a log, checkpoint, validation or verify step,
+// the last) or after a stop request; its host syncs watched from the third step of this process.
+void run(Job& job, Progress& progress, TrainResult& result) {
+  const StopSignals signals;
   const int64_t first = job.state.step;
+  int64_t last_verified = first;  // the last step all ranks were seen to agree
+  const bool lag = job.decision != nullptr;
   std::optional<Issued> late;
   bool stopping = false;
-  for (int64_t n = first + 1; n <= c.training.steps; ++n) {
-    const bool now = stopping || host_needs_step(job, n);
+  for (int64_t n = first + 1; n <= job.config.training.steps; ++n) {
+    const bool now = !lag || stopping || after_of(job, n).any();
     std::optional<SyncWatch> watch;
-    if (n >= first + 3 && !now) watch.emplace(true);
-    Issued issued = issue(job, n, next_lr(job.schedule, n - 1, 0));
+    if (n >= first + 3 && (!lag || !now)) watch.emplace(true);
+    Issued issued = issue(job, n, next_lr(job.schedule, n - 1, job.state.optimizer_steps));
     if (late)
       stopping = after_step(job, progress, result, finish(job, *late), last_verified, false);
     late.reset();
+    if (lag) watch.reset();
+    if (!now && !stopping) {
+      late.emplace(std::move(issued));
+      continue;
+    }
+    const StepResult r = finish(job, issued);
     watch.reset();
-    if (now || stopping) after_step(job, progress, result, finish(job, issued), last_verified);
-    else late.emplace(std::move(issued));
-  }
-}
-
-// The loop: step, progress, validate, verify, save, stop.
-void run(Job& job, Progress& progress, TrainResult& result) {
-  const Config& c = job.config;
-  const StopSignals signals;
-  int64_t last_verified = job.state.step;  // the last step all ranks were seen to agree
-  if (job.decision) return run_on_device(job, progress, result, last_verified);
-  const int64_t first_step = job.state.step;
-  while (job.state.step < c.training.steps) {
-    const double lr = next_lr(job.schedule, job.state.step, job.state.optimizer_steps);
-    after_step(job, progress, result, watched_step(job, first_step, lr), last_verified);
+    after_step(job, progress, result, r, last_verified);
   }
 }
 
 TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
-  if (decides_on_device(job.config, job.device))
-    job.decision = std::make_unique<DeviceDecision>(job.config, job.device, job.ranks.world_size,
-                                                    *job.detector, *job.scaler, job.state);
+  if (decides_on_device(job.config, job.device, job.ranks.local_world_size))
+    job.decision =
+        std::make_unique<DeviceDecision>(job.device, job.ranks.world_size, *job.detector);
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
-                     job.tokens_per_step, job.config.metrics.log_freq, job.scaler->enabled(),
+                     job.tokens_per_step, job.detector->loss_scaling(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,
                      job.ranks.world_size});
   run(job, progress, result);

@@ -48,7 +48,7 @@ void warm_up(SkipDetector& d, int w, int n) { test::warm_up(d, n, 0.8, 3.0, w); 
 TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
   SkipDetector d(policy());
   warm_up(d, 4, 12);
-  const double bound = d.grad_norms().mean() + 4 * d.grad_norms().stddev();
+  const double bound = d.window().grad_norm_mean + 4 * d.window().grad_norm_std;
   Verdict v = d.decide(healthy(4, 74.0, 3.0));  // grad norm 74 against ~0.8, on every rank
   EXPECT_EQ(v.decision, Decision::kClip);
   EXPECT_EQ(v.scope, "global");
@@ -58,7 +58,8 @@ TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
   for (double z : v.rank_grad_norm_z) EXPECT_GT(z, 4) << "every rank's own norm is elevated";
   d.record(v);
   EXPECT_EQ(d.consecutive_skips(), 0) << "a clip is not a skip";
-  EXPECT_DOUBLE_EQ(d.grad_norms().values().back(), bound) << "it enters the window bounded";
+  EXPECT_DOUBLE_EQ(d.state()["grad_norms"].back().get<double>(), bound)
+      << "it enters the window bounded";
 }
 
 TEST(Scope, ASpikeOnOneRankOfFourIsLocalAndSkippedNamingIt) {
@@ -108,14 +109,14 @@ TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   ranks[2].loss = kNaN;  // dropped before the sync: its loss is left out of the mean
   ranks[2].bad_samples = 1;
   Triage salvage{{2}, {"nonfinite_loss"}, {2}, {}, kCauseData, {}};
-  Verdict s = d.decide(ranks, LossScaler(TrainingConfig{}), salvage);
+  Verdict s = d.decide(ranks, salvage);
   EXPECT_EQ(s.decision, Decision::kSalvage);
   EXPECT_DOUBLE_EQ(s.loss, 3.0);
   EXPECT_EQ(s.reasons, std::vector<std::string>{"nonfinite_loss"});
   EXPECT_TRUE(s.anomalous() && s.updates());
 
   Triage repaired{{1}, {"nonfinite_grad"}, {}, {}, kCauseTransient, {1}};
-  Verdict r = d.decide(healthy(4, 0.8, 3.0), LossScaler(TrainingConfig{}), repaired);
+  Verdict r = d.decide(healthy(4, 0.8, 3.0), repaired);
   EXPECT_EQ(r.decision, Decision::kStep);
   EXPECT_TRUE(r.anomalous()) << "the event is written";
 
@@ -123,7 +124,7 @@ TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   c.on_hardware_fault = OnHardwareFault::kAbort;
   SkipDetector strict(c);
   Triage hardware{{1}, {"nonfinite_grad"}, {1}, {}, kCauseHardware, {1}};
-  Verdict h = strict.decide(healthy(4, 0.8, 3.0), LossScaler(TrainingConfig{}), hardware);
+  Verdict h = strict.decide(healthy(4, 0.8, 3.0), hardware);
   EXPECT_EQ(h.decision, Decision::kAbort);
   EXPECT_EQ(h.guard, "skip.on_hardware_fault = abort");
 }
@@ -140,7 +141,8 @@ TEST(Scope, ResetGuardsClearsTheSkipCountersAndKeepsTheWindows) {
   const int64_t history = d.history();
   SkipDetector resumed(c);
   resumed.load_state(d.state());
-  EXPECT_EQ(resumed.rank_losses().size(), 2u) << "per-rank windows are checkpointed";
+  EXPECT_EQ(resumed.state()["rank_losses"].size(), 2u) << "per-rank windows are checkpointed";
+  EXPECT_EQ(resumed.state(), d.state()) << "and every window and guard, exactly";
   resumed.reset_guards();
   EXPECT_EQ(resumed.decide(bad).decision, Decision::kSkip);
   EXPECT_EQ(resumed.history(), history);

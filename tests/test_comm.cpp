@@ -111,6 +111,18 @@ TEST(CommFactory, ResolvesAutoAndRefusesWhatCannotWork) {
   EXPECT_NE(error(Backend::kNccl).find("'parallelism.backend': \"nccl\" moves GPU memory"),
             std::string::npos);
   EXPECT_EQ(error(Backend::kMpi) == "accepted", mpi_available());
+  // A node whose ranks outnumber its GPUs: "auto" takes Gloo (the GPUs are shared); "nccl" is
+  // refused before NCCL fails on a duplicate GPU, saying how many ranks fit.
+  const c10::Device gpu(c10::kCUDA, 0);
+  EXPECT_EQ(resolve_backend(Backend::kAuto, gpu, 2, 1), Backend::kGloo);
+  try {
+    resolve_backend(Backend::kNccl, gpu, 2, 1);
+    ADD_FAILURE() << "2 ranks on 1 GPU accepted with nccl";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("this node runs 2 ranks on 1 GPU(s)"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("at most 1 ranks per node"), std::string::npos);
+  }
   // The store path serves gloo and nccl only; nccl needs a CUDA build.
   CommOptions o;
   o.backend = Backend::kMpi;

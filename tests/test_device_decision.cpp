@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm.h"
 #include "decide/device_decision.h"
 #include "lockstep/error.h"
 #include "lockstep/train.h"
@@ -172,9 +173,22 @@ TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
   const Config defaults = load_config("", "test", {});
   const Config rank = load_config("", "test", {{"skip.enabled", "true"}, {"skip.scope", "rank"}});
   const c10::Device gpu(c10::kCUDA, 0), cpu(c10::kCPU);
-  EXPECT_TRUE(decides_on_device(defaults, gpu)) << "the default job decides on a GPU";
+  // The default job decides on a GPU where the exchange is NCCL's (a CUDA build's "auto").
+  EXPECT_EQ(decides_on_device(defaults, gpu), nccl_available()) << "the default job on a GPU";
   EXPECT_FALSE(decides_on_device(defaults, cpu));
   EXPECT_FALSE(decides_on_device(rank, gpu));
+  // "auto" keeps a host backend and the for-loop AdamW on the host, saying why; "on" obeys.
+  const Config gloo = load_config("", "test", {{"parallelism.backend", "gloo"}});
+  EXPECT_FALSE(decides_on_device(gloo, gpu));
+  EXPECT_NE(decides_on_host_because(gloo, gpu).find("parallelism.backend = \"gloo\""),
+            std::string::npos);
+  if (nccl_available()) {  // a CUDA build: NCCL, but the for-loop AdamW reads each skip
+    const Config loop = load_config("", "test", {{"optimizer.implementation", "for-loop"}});
+    EXPECT_NE(decides_on_host_because(loop, gpu).find("for-loop"), std::string::npos);
+  }
+  const Config forced =
+      load_config("", "test", {{"parallelism.backend", "gloo"}, {"skip.device_decision", "on"}});
+  EXPECT_TRUE(decides_on_device(forced, gpu));
   for (const char* policy : {"clip", "skip", "abort"})
     EXPECT_EQ(device_decision_blocker(load_config("", "test", {{"skip.on_global_spike", policy}})),
               "")

@@ -1,7 +1,8 @@
 // The README's output excerpts come from the current code: every "[rank 0] [...] ..." line of
-// the demo output it shows (Quick start) matches a line of a real demo run (numbers may differ in value, as
-// ATen's results depend on the CPU, never in form), and every "$ build/bin/lockstep ..." example
-// prints exactly the lines shown under it, run in the repository root.
+// the demo output it shows (Quick start) matches a line of a real demo run (numbers may differ in
+// value, as ATen's results depend on the CPU, never in form), and every "$ build/bin/lockstep ..."
+// example of the README and of the docs users read next (usage.md, skip.md) prints exactly the
+// lines shown under it, run in the repository root.
 #include <gtest/gtest.h>
 
 #include <sstream>
@@ -11,7 +12,9 @@
 using namespace lockstep;
 
 TEST(Readme, OutputExcerptsComeFromARealRun) {
-  std::istringstream readme(test::read_text(LOCKSTEP_SOURCE_DIR "/README.md"));
+  std::istringstream readme(test::read_text(LOCKSTEP_SOURCE_DIR "/README.md") +
+                            test::read_text(LOCKSTEP_SOURCE_DIR "/docs/usage.md") +
+                            test::read_text(LOCKSTEP_SOURCE_DIR "/docs/skip.md"));
   // The demo's lines (Quick start) and its progress line (Commands); the llama3 debug run's are
   // checked by Llama3Debug.TrainsOnTwoRanksFromShardsWithValidation.
   std::vector<std::string> demo_lines = test::readme_log_lines("## Quick start");
@@ -25,7 +28,7 @@ TEST(Readme, OutputExcerptsComeFromARealRun) {
     }
   }
   ASSERT_GE(demo_lines.size(), 3u);
-  ASSERT_GE(examples.size(), 1u);
+  ASSERT_GE(examples.size(), 2u);
   for (const auto& [args, out] : examples) {
     const auto r = test::capture("cd " LOCKSTEP_SOURCE_DIR " && " LOCKSTEP_BIN " " + args);
     EXPECT_EQ(r.out, out) << "README example (run in the repository root): lockstep " << args;

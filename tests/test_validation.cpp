@@ -151,7 +151,7 @@ TEST(Llama3Debug, TrainsOnTwoRanksFromShardsWithValidation) {
   EXPECT_LT(v[1]["val_loss"].get<double>(), v[0]["val_loss"].get<double>());
   EXPECT_LT(v[1]["val_loss"].get<double>(), 3.0);  // ln(256) = 5.5 at the start
   // The README's excerpt of this run is in the form this run prints.
-  const auto lines = test::readme_log_lines("## Your data, your model");
+  const auto lines = test::readme_log_lines("## Day one");
   ASSERT_GE(lines.size(), 2u);
   for (const auto& line : lines)
     EXPECT_TRUE(test::printed(r.out, line)) << "README line not printed by the run:\n" << line;

@@ -68,6 +68,7 @@ struct Verdict {
   std::vector<ReplayResult> replays;
   std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed
   double clip_to = 0;                  // clip: the grad norm the step is clipped to
+  double clip = 1;                     // a taken step's update is scaled by this (<= 1)
   // Something to explain: not a plain step (a transient fault repaired by a replay, or a probe
   // mismatch, is a step with reasons).
   bool anomalous() const { return decision != Decision::kStep || !reasons.empty(); }
@@ -81,6 +82,8 @@ struct StepCosts {
   double sync = 0;      // the gradient collective
   double triage = 0;    // the pre-sync exchange (skip.scope = "rank", skip.replay)
   double replay = 0;    // recomputations (replays and the probe)
+  double wait = 0;      // the host blocked on a GPU's results (the table, or the device's verdict)
+  int64_t waits = 0;    // ... that many times (a GPU run's host syncs, timed where they happen)
 };
 
 // A norm as users read it: NaN when any element is nonfinite, else sqrt(sumsq). (The check's

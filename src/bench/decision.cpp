@@ -1,8 +1,8 @@
 // `lockstep bench decision`: what the step decision itself costs as the world grows, apart
 // from the collective that brings the table (measured by `lockstep bench comm`). Two forms of
-// the same decision over the same tables: the host's SkipDetector (with the per-rank windows
-// that scope and culprits need) and kernels/decision.h's decide_step (the device's form, here
-// compiled for the host). Every timed call's outcome is compared between the two.
+// the one decision over the same tables: the host's SkipDetector (the core plus the names: scope
+// and culprits) and kernels/decision.h's decide_step alone (the device's form, here compiled for
+// the host). Every timed call's outcome is compared between the two.
 #include <fmt/core.h>
 
 #include <chrono>
@@ -12,7 +12,6 @@
 #include "bench/machine.h"
 #include "decide/detector.h"
 #include "decide/device_decision.h"
-#include "decide/loss_scale.h"
 #include "kernels/decision.h"
 #include "lockstep/bench.h"
 
@@ -42,8 +41,7 @@ struct Timing {
 Timing time_world(int world, const DecisionBenchOptions& o) {
   SkipConfig cfg;
   cfg.enabled = true;  // and the default policy: a global spike is clipped
-  const LossScaler scaler{TrainingConfig{}};
-  SkipDetector detector(cfg);
+  SkipDetector detector(cfg, TrainingConfig{}, world);
   std::vector<double> rings(kernels::decide_state_doubles(cfg.window, cfg.fraction_window, world));
   kernels::DecideState s =
       kernels::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, world, 1.0);
@@ -55,7 +53,7 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   std::vector<Decision> host(tables.size());
   auto start = Clock::now();
   for (size_t i = 0; i < tables.size(); ++i) {
-    const Verdict v = detector.decide(tables[i], scaler);
+    const Verdict v = detector.decide(tables[i]);
     detector.record(v);
     host[i] = v.decision;
   }

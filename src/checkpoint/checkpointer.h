@@ -21,27 +21,10 @@
 #include "checkpoint/reshard.h"
 #include "comm/comm.h"
 #include "lockstep/checkpoint_info.h"
+#include "run_state.h"
 #include "tensors.h"
 
 namespace lockstep {
-
-// Everything besides tensors that a resumed run needs to continue exactly.
-struct TrainState {
-  int64_t step = 0;             // steps completed
-  int64_t optimizer_steps = 0;  // steps that updated the weights
-  int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
-  int64_t tokens_seen = 0;
-  int64_t world_size = 1;       // ranks that trained up to here (any size may resume)
-  int64_t skipped_steps = 0;    // steps whose update was skipped by the agreed decision
-  int64_t overflow_skips = 0;   // steps skipped on an fp16 overflow (counted apart)
-  int64_t clipped_steps = 0;    // global spikes taken clipped (skip.on_global_spike = "clip")
-  int64_t salvaged_steps = 0;   // steps taken without some ranks' contributions
-  int64_t dropped_contributions = 0;  // rank contributions dropped by salvages, in all
-  int64_t transient_faults = 0;  // culprits whose replay came out clean
-  int64_t hardware_faults = 0;   // culprits or probe targets blamed on their device
-  nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
-  nlohmann::json loss_scale = nlohmann::json::object();  // LossScaler::state(); {} = fresh
-};
 
 // The fp32 weights a save writes, named like the parameters: the tensors themselves, or, when
 // they are spread over the ranks (sharded mixed precision), `tensors` for their names and

@@ -61,19 +61,22 @@ std::optional<int64_t> folder_step(const std::string& dir) {
   return std::stoll(name.substr(5));
 }
 
+// Every counter of the run state's field list (the later ones only when present): a count, at
+// least 1 for the step and the world size; the step is the folder's and the sum of its kinds.
 void check_counters(const MetaCheck& c, const json& meta, const std::string& dir) {
-  const int64_t step = c.count("step", 1);
-  if (auto s = folder_step(dir); s && *s != step)
-    c.fail("step", fmt::format("is {} in folder step-{}", step, *s));
-  const int64_t optimizer = c.count("optimizer_steps", 0), skipped = c.count("skipped_steps", 0);
-  const int64_t overflow = meta.contains("overflow_skips") ? c.count("overflow_skips", 0) : 0;
-  if (optimizer + skipped + overflow != step)
+  TrainState n;
+  for (const RunCounter& k : kRunCounters) {
+    const bool positive = k.field == &TrainState::step || k.field == &TrainState::world_size;
+    if (k.always || meta.contains(k.name)) n.*k.field = c.count(k.name, positive ? 1 : 0);
+    if (k.field == &TrainState::step)
+      if (auto s = folder_step(dir); s && *s != n.step)
+        c.fail("step", fmt::format("is {} in folder step-{}", n.step, *s));
+  }
+  if (n.optimizer_steps + n.skipped_steps + n.overflow_skips != n.step)
     c.fail("optimizer_steps", fmt::format("+ skipped_steps + overflow_skips = {} + {} + {}, not "
                                           "the step {}",
-                                          optimizer, skipped, overflow, step));
-  c.count("data_position", 0);
-  c.count("tokens_seen", 0);
-  c.count("world_size", 1);
+                                          n.optimizer_steps, n.skipped_steps, n.overflow_skips,
+                                          n.step));
 }
 
 void check_layout(const MetaCheck& c, const json& meta) {
@@ -143,18 +146,7 @@ json read_meta(const std::string& dir) {
 
 TrainState state_of(const json& meta) {
   TrainState s;
-  s.step = meta.at("step").get<int64_t>();
-  s.optimizer_steps = meta.at("optimizer_steps").get<int64_t>();
-  s.data_position = meta.at("data_position").get<int64_t>();
-  s.tokens_seen = meta.at("tokens_seen").get<int64_t>();
-  s.world_size = meta.at("world_size").get<int64_t>();
-  s.skipped_steps = meta.at("skipped_steps").get<int64_t>();
-  s.overflow_skips = meta.value("overflow_skips", int64_t{0});
-  s.clipped_steps = meta.value("clipped_steps", int64_t{0});
-  s.salvaged_steps = meta.value("salvaged_steps", int64_t{0});
-  s.dropped_contributions = meta.value("dropped_contributions", int64_t{0});
-  s.transient_faults = meta.value("transient_faults", int64_t{0});
-  s.hardware_faults = meta.value("hardware_faults", int64_t{0});
+  read_counters(meta, s);
   s.detector = meta.at("detector");
   s.loss_scale = meta.value("loss_scale", json::object());
   return s;
@@ -182,27 +174,16 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
   } else {
     checksums["optimizer.safetensors"] = crc_json(optim_crc);
   }
-  json meta = {{"format", kCheckpointFormat},
+  json meta = counters_json(state);
+  meta.update({{"format", kCheckpointFormat},
                {"format_version", kCheckpointFormatVersion},
                {"lockstep_version", LOCKSTEP_VERSION},
-               {"step", state.step},
-               {"optimizer_steps", state.optimizer_steps},
-               {"data_position", state.data_position},
-               {"tokens_seen", state.tokens_seen},
-               {"world_size", state.world_size},
                {"mode", mode_name(layout)},
-               {"skipped_steps", state.skipped_steps},
-               {"overflow_skips", state.overflow_skips},
-               {"clipped_steps", state.clipped_steps},
-               {"salvaged_steps", state.salvaged_steps},
-               {"dropped_contributions", state.dropped_contributions},
-               {"transient_faults", state.transient_faults},
-               {"hardware_faults", state.hardware_faults},
                {"detector", state.detector},
                {"loss_scale", state.loss_scale},
                {"rng", {{"cpu", rng_hex}}},
                {"config", config},
-               {"checksums", checksums}};
+               {"checksums", checksums}});
   if (layout == OptimizerLayout::kFlatShards) meta["optimizer_shards"] = shard_list;
   return meta;
 }

@@ -135,10 +135,13 @@ bool nccl_available();
 bool mpi_available();
 
 // ---- choosing and connecting (factory.cpp): the one place that picks a backend -------------
-// The backend a job on `device` uses: kAuto is NCCL between GPUs (when built in), Gloo between
-// CPUs. Throws ConfigError naming parallelism.backend when the choice cannot work here (NCCL on
-// the CPU or in a build without CUDA, MPI in a build without MPI).
-Backend resolve_backend(Backend requested, c10::Device device);
+// The backend a job on `device` uses, `local_ranks` ranks on this node sharing `gpus` GPUs:
+// kAuto is NCCL between GPUs (when built in and every rank has a GPU of its own), else Gloo.
+// Throws ConfigError naming parallelism.backend when the choice cannot work here (NCCL on the
+// CPU, with more ranks than GPUs on a node, or in a build without CUDA; MPI in a build without
+// MPI). The short form counts the node's GPUs.
+Backend resolve_backend(Backend requested, c10::Device device, int local_ranks, int gpus);
+Backend resolve_backend(Backend requested, c10::Device device, int local_ranks = 1);
 // This rank's communicator for the job: resolve_backend, then the rendezvous.
 std::unique_ptr<Comm> connect(const RankInfo& ranks, Backend requested, c10::Device device,
                               const CommConfig& config);

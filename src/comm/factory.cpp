@@ -2,6 +2,8 @@
 // bench comm` alike).
 #include <fmt/core.h>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include "comm/comm.h"
 #include "lockstep/error.h"
 
@@ -13,12 +15,19 @@ bool mpi_available() { return true; }
 bool mpi_available() { return false; }
 #endif
 
-Backend resolve_backend(Backend requested, c10::Device device) {
+Backend resolve_backend(Backend requested, c10::Device device, int local_ranks, int gpus) {
+  const bool gpu_each = device.is_cuda() && local_ranks <= gpus;
   if (requested == Backend::kAuto)
-    return device.is_cuda() && nccl_available() ? Backend::kNccl : Backend::kGloo;
+    return gpu_each && nccl_available() ? Backend::kNccl : Backend::kGloo;
   if (requested == Backend::kNccl && !device.is_cuda())
     throw ConfigError("invalid value for 'parallelism.backend': \"nccl\" moves GPU memory but "
                       "training.device is the CPU; use \"gloo\" or \"mpi\" on CPUs");
+  if (requested == Backend::kNccl && !gpu_each)
+    throw ConfigError(fmt::format(
+        "invalid value for 'parallelism.backend': \"nccl\" but this node runs {} ranks on {} "
+        "GPU(s) and NCCL needs a GPU per rank; start at most {} ranks per node "
+        "(--nproc-per-node) or use \"gloo\"",
+        local_ranks, gpus, gpus));
   if (requested == Backend::kNccl && !nccl_available())
     throw ConfigError("invalid value for 'parallelism.backend': \"nccl\" but this build has no "
                       "CUDA (LOCKSTEP_CUDA=OFF); build with a CUDA torch (launch/build_cuda.sh) "
@@ -30,9 +39,17 @@ Backend resolve_backend(Backend requested, c10::Device device) {
   return requested;
 }
 
+Backend resolve_backend(Backend requested, c10::Device device, int local_ranks) {
+  const int gpus = device.is_cuda() && c10::impl::hasDeviceGuardImpl(c10::kCUDA)
+                       ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->deviceCount()
+                       : 0;
+  return resolve_backend(requested, device, local_ranks, gpus);
+}
+
 std::unique_ptr<Comm> connect(const RankInfo& ranks, Backend requested, c10::Device device,
                               const CommConfig& config) {
-  CommOptions o{resolve_backend(requested, device), device.is_cuda() ? device.index() : 0,
+  CommOptions o{resolve_backend(requested, device, ranks.local_world_size),
+                device.is_cuda() ? device.index() : 0,
                 config.init_timeout_seconds, config.train_timeout_seconds,
                 config.store_listen_address};
 #if LOCKSTEP_WITH_MPI

@@ -1,11 +1,10 @@
 #include "decide/detector.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
+#include <fmt/format.h>
 
-#include "kernels/decision.h"
+#include <algorithm>
+#include <cstring>
+#include <optional>
 
 namespace lockstep {
 
@@ -20,73 +19,6 @@ const char* decision_name(Decision d) {
   return "?";
 }
 
-// ---- Window ---------------------------------------------------------------------------------
-
-void Window::push(double v) {
-  values_.push_back(v);
-  while (static_cast<int64_t>(values_.size()) > capacity_) values_.pop_front();
-}
-
-// The window statistics are the shared decision core's (kernels/decision.h), the device's too.
-double Window::mean() const {
-  return kernels::window_mean([this](int64_t i) { return values_[i]; }, size());
-}
-
-double Window::stddev() const {
-  return kernels::window_stddev([this](int64_t i) { return values_[i]; }, size());
-}
-
-double Window::zscore(double v) const {
-  return kernels::window_zscore([this](int64_t i) { return values_[i]; }, size(), v);
-}
-
-void Window::assign(const std::vector<double>& values) {
-  values_.clear();
-  for (double v : values) push(v);
-}
-
-// ---- SkipDetector ---------------------------------------------------------------------------
-
-SkipDetector::SkipDetector(const SkipConfig& config)
-    : cfg_(config), grad_norms_(config.window), losses_(config.window) {}
-
-namespace {
-
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// The global numbers, reduced in rank order by the shared core (kernels/decision.h). The loss
-// is the mean over the ranks that contributed (not `dropped`).
-Verdict reduce_in_rank_order(const std::vector<RankStats>& ranks, const std::vector<int>& dropped,
-                             bool& loss_nonfinite) {
-  const auto stat = [&ranks](int i, int f) {
-    double row[kernels::kStatsDoubles];
-    static_assert(sizeof row == sizeof(RankStats), "RankStats is the core's row");
-    std::memcpy(row, &ranks[i], sizeof row);
-    return row[f];
-  };
-  const auto out = [&dropped](int i) {
-    return std::find(dropped.begin(), dropped.end(), i) != dropped.end();
-  };
-  const kernels::Global g =
-      kernels::reduce_in_rank_order(stat, static_cast<int>(ranks.size()), out);
-  Verdict v;
-  v.nonfinite = g.nonfinite;
-  v.overflow_runs = g.overflow_runs;
-  v.stop = g.stop;
-  v.grad_norm = g.grad_norm;  // never report a partial norm as the norm
-  v.loss = g.loss;
-  loss_nonfinite = g.loss_nonfinite;
-  return v;
-}
-
-// The reasons' names, in the core's bit order.
-void name_reasons(uint32_t bits, std::vector<std::string>& out) {
-  for (int b = 0; b < kernels::kReasonCount; ++b)
-    if (bits & (1u << b)) out.push_back(reason_name(b));
-}
-
-}  // namespace
-
 const char* reason_name(int bit) {
   static const char* const kNames[kernels::kReasonCount] = {
       "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike"};
@@ -95,42 +27,171 @@ const char* reason_name(int bit) {
 
 double norm_of(double nonfinite, double sumsq) { return kernels::norm_of(nonfinite, sumsq); }
 
-Verdict SkipDetector::decide(const std::vector<RankStats>& ranks) const {
-  static const LossScaler kOff{TrainingConfig{}};
-  return decide(ranks, kOff);
+kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t) {
+  const LossScaleMode mode = loss_scale_setting(t).mode;
+  kernels::DecideConfig c;
+  c.thresholds = {k.enabled, k.max_grad_norm, k.grad_norm_zscore, k.loss_zscore};
+  c.min_history = k.min_history;
+  c.max_norm = t.max_norm;
+  c.loss_scale = {mode != LossScaleMode::kNone, mode == LossScaleMode::kDynamic,
+                  t.loss_scale_growth_factor, t.loss_scale_backoff_factor,
+                  t.loss_scale_growth_interval};
+  c.loss_scale_max_overflows = t.loss_scale_max_overflows;
+  c.loss_scale_min = t.loss_scale_min;
+  c.max_consecutive = k.max_consecutive;
+  c.max_fraction = k.max_fraction;
+  c.fraction_window = k.fraction_window;
+  c.on_global_spike = k.on_global_spike == OnGlobalSpike::kClip   ? kernels::kSpikeClip
+                      : k.on_global_spike == OnGlobalSpike::kSkip ? kernels::kSpikeSkip
+                                                                  : kernels::kSpikeAbort;
+  c.hardware_abort = k.on_hardware_fault == OnHardwareFault::kAbort ? 1 : 0;
+  return c;
 }
 
-Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const LossScaler& scaler,
-                             const Triage& triage) const {
-  bool loss_nonfinite = false;
-  Verdict v = reduce_in_rank_order(ranks, triage.dropped, loss_nonfinite);
-  v.loss_scale = scaler.scale();
-  if (v.loss_scale != 1.0) v.grad_norm /= v.loss_scale;  // the norm users read is unscaled
-  if (scaler.enabled() && v.nonfinite > 0 && !loss_nonfinite && triage.culprits.empty()) {
-    // An fp16 overflow: the loss scale, not the data. Skip, back off (in record), blame no one.
-    v.overflow = true;
+// ---- HostDecideState --------------------------------------------------------------------------
+
+HostDecideState::HostDecideState(int64_t window, int64_t fraction_window, int w, double scale)
+    : rings(kernels::decide_state_doubles(window, fraction_window, w), 0.0),
+      s(kernels::fresh_decide_state(rings.data(), window, fraction_window, w, scale)),
+      world(w) {}
+
+HostDecideState::HostDecideState(const HostDecideState& o)
+    : rings(o.rings), s(kernels::relocated(o.s, o.rings.data(), rings.data())), world(o.world) {}
+
+HostDecideState& HostDecideState::operator=(const HostDecideState& o) {
+  if (this == &o) return *this;
+  rings = o.rings;
+  s = kernels::relocated(o.s, o.rings.data(), rings.data());
+  world = o.world;
+  return *this;
+}
+
+HostDecideState HostDecideState::resized(int w) const {
+  HostDecideState out(s.grad_norms.capacity, s.recent.capacity, w, s.scale.scale);
+  const int64_t global = 2 * s.grad_norms.capacity + s.recent.capacity;  // the first rings
+  std::copy(rings.begin(), rings.begin() + global, out.rings.begin());
+  kernels::DecideState moved = kernels::relocated(s, rings.data(), out.rings.data());
+  moved.ranks = out.s.ranks;
+  moved.scratch = out.s.scratch;
+  out.s = moved;
+  return out;
+}
+
+// ---- SkipDetector -------------------------------------------------------------------------------
+
+SkipDetector::SkipDetector(const SkipConfig& skip, const TrainingConfig& training, int world)
+    : skip_(skip),
+      config_(decide_config(skip, training)),
+      scaling_(loss_scale_setting(training)),
+      state_(skip.window, skip.fraction_window, world, scaling_.value) {}
+
+HostDecideState SkipDetector::state_for(int world) const {
+  return state_.world == world ? state_ : state_.resized(world);
+}
+
+namespace {
+
+const double* table_of(const std::vector<RankStats>& ranks) {
+  static_assert(sizeof(RankStats) == kernels::kStatsDoubles * sizeof(double),
+                "RankStats is the core's row");
+  return reinterpret_cast<const double*>(ranks.data());
+}
+
+// The reasons' names, in the core's bit order.
+void name_reasons(uint32_t bits, std::vector<std::string>& out) {
+  for (int b = 0; b < kernels::kReasonCount; ++b)
+    if (bits & (1u << b)) out.push_back(reason_name(b));
+}
+
+Decision decision_of(const kernels::DecideResult& r) {
+  switch (r.outcome) {
+    case kernels::kTake:
+      return r.clipped ? Decision::kClip : r.salvaged ? Decision::kSalvage : Decision::kStep;
+    case kernels::kSkipStep: return Decision::kSkip;
+    default: return Decision::kAbort;
+  }
+}
+
+// The core's result of a decided verdict: what record_step and record_rank read.
+kernels::DecideResult result_of(const Verdict& v) {
+  kernels::DecideResult r{};
+  r.outcome = v.decision == Decision::kAbort  ? kernels::kAbortRun
+              : v.decision == Decision::kSkip ? kernels::kSkipStep
+                                              : kernels::kTake;
+  r.overflow = v.overflow ? 1 : 0;
+  r.clipped = v.decision == Decision::kClip ? 1 : 0;
+  r.salvaged = v.decision == Decision::kSalvage ? 1 : 0;
+  r.clip_to = v.clip_to;
+  r.grad_norm = v.grad_norm;
+  r.loss = v.loss;
+  r.loss_scale = v.loss_scale;
+  return r;
+}
+
+}  // namespace
+
+std::string SkipDetector::guard_message(const kernels::DecideResult& r,
+                                        const HostDecideState& st) const {
+  const kernels::LossScaleState& ls = st.s.scale;
+  switch (r.why) {
+    case kernels::kMaxConsecutive:
+      return fmt::format("skip.max_consecutive = {}: {} skips in a row", config_.max_consecutive,
+                         st.s.consecutive_skips + 1);
+    case kernels::kMaxFraction:
+      return fmt::format("skip.max_fraction = {}: {} skips in the last {} steps",
+                         nlohmann::json(config_.max_fraction).dump(), r.skips_in_window,
+                         config_.fraction_window);
+    case 10 + kernels::kMaxOverflows:
+      return fmt::format("training.loss_scale_max_overflows = {}: {} overflows in a row",
+                         config_.loss_scale_max_overflows, ls.consecutive_overflows + 1);
+    case 10 + kernels::kScaleMin:
+      return fmt::format("training.loss_scale_min = {}: the scale would fall to {}",
+                         config_.loss_scale_min, ls.scale * config_.loss_scale.backoff_factor);
+    case kernels::kSkipDisabled: return "skip.enabled = false";
+    case kernels::kGlobalSpikeAbort: return "skip.on_global_spike = abort";
+    case kernels::kHardwareFaultAbort: return "skip.on_hardware_fault = abort";
+    default: return "";
+  }
+}
+
+Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& triage) const {
+  const int world = static_cast<int>(ranks.size());
+  std::optional<HostDecideState> other;
+  const HostDecideState& st = state_.world == world ? state_ : other.emplace(state_for(world));
+  std::vector<uint8_t> dropped(ranks.size(), 0);
+  for (int r : triage.dropped) dropped[static_cast<size_t>(r)] = 1;
+  const kernels::Settled settled{triage.dropped.empty() ? nullptr : dropped.data(),
+                                 static_cast<int32_t>(triage.culprits.size()),
+                                 triage.skip_step ? 1 : 0,
+                                 static_cast<int32_t>(triage.hardware_suspects.size())};
+  kernels::DecideResult r{};
+  kernels::score_step(table_of(ranks), world, st.s, config_, settled, r);
+
+  Verdict v;
+  v.decision = decision_of(r);
+  v.guard = guard_message(r, st);
+  v.grad_norm = r.grad_norm;
+  v.nonfinite = r.nonfinite;
+  v.loss = r.loss;
+  v.stop = r.stop != 0;
+  v.overflow_runs = r.overflow_runs;
+  v.grad_norm_z = r.grad_norm_z;
+  v.loss_z = r.loss_z;
+  v.loss_scale = r.loss_scale;
+  v.overflow = r.overflow != 0;
+  v.clip_to = r.clip_to;
+  v.clip = r.clip;
+  if (v.overflow) {  // an fp16 overflow: the loss scale, not the data; no rank is blamed
     v.reasons.push_back("loss_scale_overflow");
-    v.guard = scaler.guard_on_overflow();
-    v.decision = v.guard.empty() ? Decision::kSkip : Decision::kAbort;
-    v.grad_norm_z = v.loss_z = kNaN;
     return v;
   }
-  const bool zscores = history() >= cfg_.min_history;
-  v.grad_norm_z = zscores && std::isfinite(v.grad_norm) ? grad_norms_.zscore(v.grad_norm) : kNaN;
-  v.loss_z = zscores && std::isfinite(v.loss) ? losses_.zscore(v.loss) : kNaN;
-
-  kernels::Global g;
-  g.nonfinite = v.nonfinite;
-  g.loss_nonfinite = loss_nonfinite;
-  name_reasons(kernels::reasons_of(g, v.grad_norm, v.grad_norm_z, v.loss_z,
-                                   {cfg_.enabled, cfg_.max_grad_norm, cfg_.grad_norm_zscore,
-                                    cfg_.loss_zscore}),
-               v.reasons);
-  const LocalFindings f = local_findings(ranks, v.loss_scale);
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    v.rank_grad_norm.push_back(norm_of(ranks[r].local_nonfinite, ranks[r].local_sumsq) /
-                               v.loss_scale);
-    v.rank_loss.push_back(ranks[r].loss);
+  name_reasons(r.reasons, v.reasons);
+  const LocalFindings f = local_findings(ranks);
+  for (int i = 0; i < world; ++i) {
+    const double* row = table_of(ranks) + i * kernels::kStatsDoubles;
+    const kernels::RankValues rv = kernels::rank_values(row, r.loss_scale);
+    v.rank_grad_norm.push_back(rv.grad_norm);
+    v.rank_loss.push_back(rv.loss);
   }
   v.rank_grad_norm_z = f.grad_norm_z;
   v.rank_loss_z = f.loss_z;
@@ -138,136 +199,114 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const LossScal
   v.replays = triage.replays;
   v.cause = triage.cause;
   v.hardware_suspects = triage.hardware_suspects;
-  const bool synced_clean = v.reasons.empty() && !triage.skip_step;
   attribute(v, ranks, f, triage);
-  if (!synced_clean && !cfg_.enabled) {  // stock behaviour: a nonfinite value stops the job
-    v.decision = Decision::kAbort;
-    v.guard = "skip.enabled = false";
-    return v;
-  }
-  if (!synced_clean) apply_policy(v);
-  if (v.decision != Decision::kAbort && !v.hardware_suspects.empty() &&
-      cfg_.on_hardware_fault == OnHardwareFault::kAbort) {
-    v.decision = Decision::kAbort;
-    v.guard = "skip.on_hardware_fault = abort";
-  }
   return v;
 }
 
-std::string SkipDetector::guard_tripped() const {
-  int64_t skips = 0;  // among the last fraction_window steps, this one included
-  switch (kernels::guard_tripped(consecutive_, cfg_.max_consecutive, recent_skips_,
-                                 static_cast<int64_t>(recent_.size()),
-                                 !recent_.empty() && recent_.front(), cfg_.max_fraction,
-                                 cfg_.fraction_window, &skips)) {
-    case kernels::kMaxConsecutive:
-      return "skip.max_consecutive = " + std::to_string(cfg_.max_consecutive) + ": " +
-             std::to_string(consecutive_ + 1) + " skips in a row";
-    case kernels::kMaxFraction:
-      return "skip.max_fraction = " + nlohmann::json(cfg_.max_fraction).dump() + ": " +
-             std::to_string(skips) + " skips in the last " + std::to_string(cfg_.fraction_window) +
-             " steps";
-    case kernels::kNoGuard: break;
-  }
-  return "";
-}
-
-double SkipDetector::bounded(const Window& w, double v, double z) const {
-  return kernels::window_bounded([&w](int64_t i) { return w.values()[i]; }, w.size(), v, z,
-                                 cfg_.min_history);
-}
-
 void SkipDetector::record(const Verdict& v) {
-  if (v.decision == Decision::kAbort || v.overflow) return;
-  const bool skipped = v.decision == Decision::kSkip;
-  const bool clip = v.decision == Decision::kClip;
-  if (skipped) {
-    ++consecutive_;
-  } else {
-    consecutive_ = 0;
-    // A clip enters as the bound it was taken at: a lasting new level moves the window up
-    // step by step; one spike does not widen it.
-    grad_norms_.push(clip && v.clip_to > 0 ? std::min(v.grad_norm, v.clip_to) : v.grad_norm);
-    losses_.push(clip ? bounded(losses_, v.loss, cfg_.loss_zscore) : v.loss);
-    const size_t world = v.rank_loss.size();
-    if (rank_losses_.size() != world) {  // a fresh start, or a resume at another world size
-      rank_grad_norms_.assign(world, Window(cfg_.window));
-      rank_losses_.assign(world, Window(cfg_.window));
-    }
-    for (size_t r = 0; r < world; ++r) {
-      if (std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), static_cast<int>(r)) !=
-          v.dropped_ranks.end())
-        continue;
-      const double g = v.rank_grad_norm[r], l = v.rank_loss[r];
-      rank_grad_norms_[r].push(clip ? bounded(rank_grad_norms_[r], g, cfg_.grad_norm_zscore) : g);
-      rank_losses_[r].push(clip ? bounded(rank_losses_[r], l, cfg_.loss_zscore) : l);
-    }
-  }
-  recent_.push_back(skipped);
-  recent_skips_ += skipped;
-  while (static_cast<int64_t>(recent_.size()) > cfg_.fraction_window) {
-    recent_skips_ -= recent_.front();
-    recent_.pop_front();
+  const kernels::DecideResult r = result_of(v);
+  const int world = static_cast<int>(v.rank_loss.size());
+  const bool taken = r.outcome == kernels::kTake && !r.overflow;
+  if (taken && state_.world != world) state_ = state_.resized(world);
+  kernels::record_step(state_.s, config_, r);
+  if (!taken) return;
+  for (int i = 0; i < world; ++i) {
+    if (std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), i) != v.dropped_ranks.end())
+      continue;
+    kernels::record_rank_values(state_.s, config_, r, i,
+                                {v.rank_grad_norm[static_cast<size_t>(i)],
+                                 v.rank_loss[static_cast<size_t>(i)]});
   }
 }
 
 void SkipDetector::reset_guards() {
-  consecutive_ = 0;
-  recent_.clear();
-  recent_skips_ = 0;
+  state_.s.consecutive_skips = 0;
+  state_.s.recent.head = state_.s.recent.size = 0;
+  state_.s.recent_skips = 0;
 }
+
+WindowSummary SkipDetector::window() const {
+  const kernels::Ring& g = state_.s.grad_norms;
+  const kernels::Ring& l = state_.s.losses;
+  const auto gn = [&g](int64_t i) { return kernels::ring_at(g, i); };
+  const auto ls = [&l](int64_t i) { return kernels::ring_at(l, i); };
+  return {g.size, kernels::window_mean(gn, g.size), kernels::window_stddev(gn, g.size),
+          kernels::window_mean(ls, l.size), kernels::window_stddev(ls, l.size)};
+}
+
+// ---- checkpoints --------------------------------------------------------------------------------
 
 namespace {
 
-std::vector<double> values_of(const Window& w) {
-  return std::vector<double>(w.values().begin(), w.values().end());
-}
-
-nlohmann::json windows_json(const std::vector<Window>& ws) {
-  nlohmann::json out = nlohmann::json::array();
-  for (const Window& w : ws) out.push_back(values_of(w));
+std::vector<double> values_of(const kernels::Ring& r) {
+  std::vector<double> out;
+  for (int64_t i = 0; i < r.size; ++i) out.push_back(kernels::ring_at(r, i));
   return out;
 }
 
-std::vector<Window> windows_from(const nlohmann::json& j, int64_t capacity) {
-  std::vector<Window> out;
-  for (const auto& values : j) {
-    out.emplace_back(capacity);
-    out.back().assign(values.get<std::vector<double>>());
-  }
-  return out;
+void push_all(kernels::Ring& r, const nlohmann::json& values) {
+  for (const auto& v : values) kernels::ring_push(r, v.get<double>());
 }
 
 }  // namespace
 
 nlohmann::json SkipDetector::state() const {
+  const kernels::DecideState& s = state_.s;
+  nlohmann::json rank_gn = nlohmann::json::array(), rank_ls = nlohmann::json::array();
+  for (int r = 0; r < state_.world; ++r) {
+    rank_gn.push_back(values_of(kernels::rank_ring(s.ranks, r, 0)));
+    rank_ls.push_back(values_of(kernels::rank_ring(s.ranks, r, 1)));
+  }
   std::string recent;
-  for (bool b : recent_) recent += b ? '1' : '0';
-  return {{"grad_norms", values_of(grad_norms_)},
-          {"losses", values_of(losses_)},
-          {"rank_grad_norms", windows_json(rank_grad_norms_)},
-          {"rank_losses", windows_json(rank_losses_)},
-          {"consecutive_skips", consecutive_},
+  for (double b : values_of(s.recent)) recent += b != 0 ? '1' : '0';
+  return {{"grad_norms", values_of(s.grad_norms)},
+          {"losses", values_of(s.losses)},
+          {"rank_grad_norms", rank_gn},
+          {"rank_losses", rank_ls},
+          {"consecutive_skips", s.consecutive_skips},
           {"recent", recent}};
 }
 
-void SkipDetector::load_state(const nlohmann::json& s) {
-  grad_norms_.assign(s.at("grad_norms").get<std::vector<double>>());
-  losses_.assign(s.at("losses").get<std::vector<double>>());
+void SkipDetector::load_state(const nlohmann::json& j) {
   // Checkpoints before per-rank windows have none: they fill again from here.
-  rank_grad_norms_ = windows_from(s.value("rank_grad_norms", nlohmann::json::array()), cfg_.window);
-  rank_losses_ = windows_from(s.value("rank_losses", nlohmann::json::array()), cfg_.window);
-  consecutive_ = s.at("consecutive_skips").get<int64_t>();
-  recent_.clear();
-  recent_skips_ = 0;
-  for (char c : s.at("recent").get<std::string>()) {
-    recent_.push_back(c == '1');
-    recent_skips_ += c == '1';
+  const nlohmann::json rank_gn = j.value("rank_grad_norms", nlohmann::json::array());
+  const nlohmann::json rank_ls = j.value("rank_losses", nlohmann::json::array());
+  const int world = static_cast<int>(rank_ls.size());
+  HostDecideState st(skip_.window, skip_.fraction_window, world, state_.s.scale.scale);
+  st.s.scale = state_.s.scale;
+  push_all(st.s.grad_norms, j.at("grad_norms"));
+  push_all(st.s.losses, j.at("losses"));
+  for (int r = 0; r < world && static_cast<int>(rank_gn.size()) == world; ++r) {
+    for (const auto& v : rank_gn[static_cast<size_t>(r)])
+      kernels::rank_ring_push(st.s.ranks, r, 0, v.get<double>());
+    for (const auto& v : rank_ls[static_cast<size_t>(r)])
+      kernels::rank_ring_push(st.s.ranks, r, 1, v.get<double>());
   }
-  while (static_cast<int64_t>(recent_.size()) > cfg_.fraction_window) {
-    recent_skips_ -= recent_.front();
-    recent_.pop_front();
+  st.s.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
+  for (char c : j.at("recent").get<std::string>()) {
+    const bool skipped = c == '1';
+    kernels::Ring& recent = st.s.recent;
+    if (recent.capacity == 0) break;
+    if (recent.size == recent.capacity) st.s.recent_skips -= kernels::ring_at(recent, 0) != 0;
+    kernels::ring_push(recent, skipped ? 1.0 : 0.0);
+    st.s.recent_skips += skipped ? 1 : 0;
   }
+  state_ = st;
+}
+
+nlohmann::json SkipDetector::loss_scale_state() const {
+  const kernels::LossScaleState& s = state_.s.scale;
+  return {{"scale", s.scale},
+          {"growth_tracker", s.growth_tracker},
+          {"consecutive_overflows", s.consecutive_overflows}};
+}
+
+void SkipDetector::load_loss_scale(const nlohmann::json& j) {
+  if (j.empty()) return;
+  kernels::LossScaleState& s = state_.s.scale;
+  if (scaling_.mode == LossScaleMode::kDynamic) s.scale = j.at("scale").get<double>();
+  s.growth_tracker = j.at("growth_tracker").get<int64_t>();
+  s.consecutive_overflows = j.at("consecutive_overflows").get<int64_t>();
 }
 
 }  // namespace lockstep

@@ -1,22 +1,19 @@
-// The step decision: STEP, SKIP, CLIP, SALVAGE or ABORT, from numbers every rank holds
-// identically (the all-gathered per-rank stats, reduced in rank order) and from detector state
-// that every rank advances identically: z-scores over rolling windows (the global values' and
-// each rank's own), thresholds, the anomaly's scope (local: a minority of ranks stand out
-// against their own windows; global: most do, or none does), its policy, guards, culprits.
-// Plain C++: no tensors, so it is unit-tested directly. Its numbers (the rank-order reduction,
-// window z-scores, thresholds, the scope's counts, the clip bound, guard counts) come from the
-// framework-free core in kernels/decision.h, which the device runs too (decision.cu), so host
-// and device agree bit for bit; culprit names and causes are computed here only.
+// The step decision on the host: STEP, SKIP, CLIP, SALVAGE or ABORT. There is one decision: the
+// framework-free core in kernels/decision.h, which the device runs too (decision.cu). This file
+// holds the core's state in the core's own types, its rings in host memory (HostDecideState),
+// calls the core to score, decide and record each step, and adds only what names things: the
+// reasons' names, the anomaly's scope and culprits, the guards' messages. What the triage
+// settled before the sync (dropped ranks, replays, the probe's suspects) enters the core as an
+// input (kernels::Settled). Plain C++: no tensors, so it is unit-tested directly.
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
-#include "decide/loss_scale.h"
+#include "kernels/decision.h"
 #include "lockstep/config.h"
 #include "lockstep/decision.h"
 
@@ -25,23 +22,9 @@ namespace lockstep {
 // A reason's name (kernels/decision.h's bit `bit`: nonfinite_grad, ..., loss_spike).
 const char* reason_name(int bit);
 
-// Rolling window of accepted values: mean and population std, summed oldest first.
-class Window {
- public:
-  explicit Window(int64_t capacity = 128) : capacity_(capacity) {}
-  void push(double v);
-  int64_t size() const { return static_cast<int64_t>(values_.size()); }
-  double mean() const;
-  double stddev() const;
-  // (v - mean) / std, with std floored at 1e-12 * |mean| so a flat window is not a hair trigger.
-  double zscore(double v) const;
-  const std::deque<double>& values() const { return values_; }
-  void assign(const std::vector<double>& values);
-
- private:
-  int64_t capacity_;
-  std::deque<double> values_;
-};
+// The shared core's config from the run's: thresholds, guards, scope policy, the clip
+// (training.max_norm) and the loss-scale rule and guards. The one reader of these settings.
+kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);
 
 // Each rank's own values against its own windows, from the all-gathered table: which ranks
 // stand out, and why. Every rank computes it from the same table and windows.
@@ -66,55 +49,78 @@ struct Triage {
   bool skip_step = false;  // the culprits' gradients stay bad and cannot all be dropped
 };
 
+// The core's state (kernels::DecideState) over rings in host memory, for `world` ranks. A copy
+// points at its own rings.
+struct HostDecideState {
+  HostDecideState(int64_t window, int64_t fraction_window, int world, double scale);
+  HostDecideState(const HostDecideState& other);
+  HostDecideState& operator=(const HostDecideState& other);
+  // The same global windows, guards and loss scale for `world` ranks whose own windows are
+  // empty (a fresh start, or a resume at another world size).
+  HostDecideState resized(int world) const;
+
+  std::vector<double> rings;
+  kernels::DecideState s;
+  int world;
+};
+
+// The global windows as the progress line and events report them.
+struct WindowSummary {
+  int64_t history = 0;
+  double grad_norm_mean = 0, grad_norm_std = 0, loss_mean = 0, loss_std = 0;
+};
+
 class SkipDetector {
  public:
-  explicit SkipDetector(const SkipConfig& config);
+  // `world`: the ranks whose windows to hold (a table of another size starts them empty).
+  explicit SkipDetector(const SkipConfig& skip, const TrainingConfig& training = {},
+                        int world = 0);
 
-  // The decision for one step from every rank's stats, in rank order, the gradients carrying
-  // `scaler`'s loss scale, after `triage`. Pure: the same inputs and state give the same
-  // verdict, bit for bit, on every rank. With loss scaling on, a nonfinite gradient with every
-  // loss finite is an overflow: skipped with reason loss_scale_overflow whatever skip.enabled
-  // says, outside the skip guards (the scaler has its own), blaming no rank.
-  Verdict decide(const std::vector<RankStats>& ranks, const LossScaler& scaler,
-                 const Triage& triage = {}) const;
-  Verdict decide(const std::vector<RankStats>& ranks) const;  // no loss scaling
-  // Each rank's own values against its windows (scope.cpp); `scale` = the loss scale.
-  LocalFindings local_findings(const std::vector<RankStats>& ranks, double scale = 1) const;
-  // Advances the state with a decided step. A skip's outlier never enters the windows; a
-  // clip enters them bounded to the windows' limits; a salvage enters without the dropped
-  // ranks' values; an abort and an overflow change nothing.
+  // The decision for one step from every rank's stats, in rank order, after `triage`. Pure:
+  // the same inputs and state give the same verdict, bit for bit, on every rank. With loss
+  // scaling on, a nonfinite gradient with every loss finite (and no culprit named before the
+  // sync) is an overflow: skipped with reason loss_scale_overflow whatever skip.enabled says,
+  // outside the skip guards (the loss scale has its own), blaming no rank.
+  Verdict decide(const std::vector<RankStats>& ranks, const Triage& triage = {}) const;
+  // Each rank's own values against its windows (scope.cpp).
+  LocalFindings local_findings(const std::vector<RankStats>& ranks) const;
+  // Advances the state with a decided step (the core's record_step and record_rank): a skip's
+  // outlier never enters the windows; a clip enters them bounded to the windows' limits; a
+  // salvage enters without the dropped ranks' values; an overflow backs the loss scale off; an
+  // abort changes nothing but the core's sticky flag.
   void record(const Verdict& v);
   // skip.reset_guards_on_resume: the guards count from 0 again (the windows stay).
   void reset_guards();
 
-  int64_t consecutive_skips() const { return consecutive_; }
-  int64_t history() const { return grad_norms_.size(); }
-  const std::deque<bool>& recent() const { return recent_; }  // true = skipped, oldest first
-  const Window& grad_norms() const { return grad_norms_; }
-  const Window& losses() const { return losses_; }
-  const std::vector<Window>& rank_grad_norms() const { return rank_grad_norms_; }
-  const std::vector<Window>& rank_losses() const { return rank_losses_; }
+  int64_t consecutive_skips() const { return state_.s.consecutive_skips; }
+  int64_t history() const { return state_.s.grad_norms.size; }
+  WindowSummary window() const;
+  // Loss scaling (fp16): the scale the next step's loss is multiplied by (1 when off).
+  bool loss_scaling() const { return config_.loss_scale.enabled; }
+  double loss_scale() const { return state_.s.scale.scale; }
+  int64_t consecutive_overflows() const { return state_.s.scale.consecutive_overflows; }
 
-  // The whole state, for checkpoints; doubles round-trip exactly through JSON.
+  const kernels::DecideConfig& config() const { return config_; }
+  // The core's state for `world` ranks (this one, or resized): what the device decision uploads.
+  HostDecideState state_for(int world) const;
+
+  // The windows and guards, and the loss scale, for checkpoints; doubles round-trip exactly
+  // through JSON. load_loss_scale({}) keeps the fresh scale.
   nlohmann::json state() const;
   void load_state(const nlohmann::json& state);
+  nlohmann::json loss_scale_state() const;
+  void load_loss_scale(const nlohmann::json& state);
 
  private:
-  // The guard a skip now would trip (it becomes an abort), or "".
-  std::string guard_tripped() const;
-  // scope.cpp: scope, culprits and cause of an anomalous step, then the policy's decision.
+  // scope.cpp: names the scope, culprits and cause of a decided step.
   void attribute(Verdict& v, const std::vector<RankStats>& ranks, const LocalFindings& f,
                  const Triage& triage) const;
-  void apply_policy(Verdict& v) const;
-  // The largest value `w` accepts (mean + z * std) once it holds min_history values, else v.
-  double bounded(const Window& w, double v, double z) const;
+  std::string guard_message(const kernels::DecideResult& r, const HostDecideState& st) const;
 
-  SkipConfig cfg_;
-  Window grad_norms_, losses_;
-  std::vector<Window> rank_grad_norms_, rank_losses_;  // each rank's own, in rank order
-  int64_t consecutive_ = 0;
-  std::deque<bool> recent_;  // the last fraction_window decisions, true = skipped
-  int64_t recent_skips_ = 0;
+  SkipConfig skip_;
+  kernels::DecideConfig config_;
+  LossScaleSetting scaling_;
+  HostDecideState state_;
 };
 
 }  // namespace lockstep

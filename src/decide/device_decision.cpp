@@ -6,11 +6,13 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
-#include <cmath>
+#include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <stdexcept>
 
+#include "comm/comm.h"
 #include "decide/exchange.h"
 #include "lockstep/error.h"
 
@@ -20,28 +22,26 @@
 
 namespace lockstep {
 
-kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t) {
-  return {{k.enabled, k.max_grad_norm, k.grad_norm_zscore, k.loss_zscore},
-          k.min_history,
-          t.max_norm,
-          LossScaler(t).rule(),
-          t.loss_scale_max_overflows,
-          t.loss_scale_min,
-          k.max_consecutive,
-          k.max_fraction,
-          k.fraction_window,
-          k.on_global_spike == OnGlobalSpike::kClip   ? kernels::kSpikeClip
-          : k.on_global_spike == OnGlobalSpike::kSkip ? kernels::kSpikeSkip
-                                                      : kernels::kSpikeAbort};
-}
-
-bool decides_on_device(const Config& c, c10::Device device) {
+bool decides_on_device(const Config& c, c10::Device device, int local_ranks) {
   switch (c.skip.device_decision) {
     case DeviceDecisionMode::kOn: return true;
     case DeviceDecisionMode::kOff: return false;
     case DeviceDecisionMode::kAuto: break;
   }
-  return device.is_cuda() && device_decision_blocker(c).empty();
+  return device.is_cuda() && device_decision_blocker(c).empty() &&
+         decides_on_host_because(c, device, local_ranks).empty();
+}
+
+std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks) {
+  if (!device.is_cuda()) return "";
+  // Gloo and MPI read the table on the host anyway (three blocking copies a step on a GPU);
+  // the for-loop AdamW reads found_inf with .item() per parameter.
+  const Backend backend = resolve_backend(c.parallelism.backend, device, local_ranks);
+  if (backend == Backend::kGloo || backend == Backend::kMpi)
+    return fmt::format("parallelism.backend = \"{}\" exchanges on the host", name_of(backend));
+  if (c.optimizer.implementation == AdamWImpl::kForLoop)
+    return "optimizer.implementation = \"for-loop\" reads each skip on the host";
+  return "";
 }
 
 // One step's result on the device and its copy on the host (pinned on a GPU).
@@ -62,66 +62,16 @@ at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
 
 }  // namespace
 
-namespace {
-
-// The host's state laid out as the device's, in `rings` (host memory) with the addresses the
-// device will read it at (`base`): the windows, each rank's own (empty when the host holds none
-// for this world size), the recent decisions, the guards and counters.
-kernels::DecideState host_state(const Config& c, int world, const SkipDetector& detector,
-                                const LossScaler& scaler, const TrainState& st,
-                                std::vector<double>& rings, double* base) {
-  const int64_t window = c.skip.window, fraction = c.skip.fraction_window;
-  rings.assign(kernels::decide_state_doubles(window, fraction, world), 0.0);
-  kernels::DecideState host = kernels::fresh_decide_state(rings.data(), window, fraction, world,
-                                                          scaler.scale());
-  const auto fill = [](kernels::Ring& r, const std::deque<double>& values) {
-    for (double v : values) kernels::ring_push(r, v);
-  };
-  fill(host.grad_norms, detector.grad_norms().values());
-  fill(host.losses, detector.losses().values());
-  for (bool skipped : detector.recent()) {
-    kernels::ring_push(host.recent, skipped ? 1.0 : 0.0);
-    host.recent_skips += skipped ? 1 : 0;
-  }
-  const auto& rank_gn = detector.rank_grad_norms();
-  const auto& rank_ls = detector.rank_losses();
-  for (int r = 0; r < world && static_cast<int>(rank_ls.size()) == world; ++r) {
-    for (double v : rank_gn[r].values()) kernels::rank_ring_push(host.ranks, r, 0, v);
-    for (double v : rank_ls[r].values()) kernels::rank_ring_push(host.ranks, r, 1, v);
-  }
-  // The same state pointing at the device's copy of `rings`.
-  kernels::DecideState s = kernels::fresh_decide_state(base, window, fraction, world, 1.0);
-  const auto moved = [](kernels::Ring to, const kernels::Ring& from) {
-    to.head = from.head;
-    to.size = from.size;
-    return to;
-  };
-  s.grad_norms = moved(s.grad_norms, host.grad_norms);
-  s.losses = moved(s.losses, host.losses);
-  s.recent = moved(s.recent, host.recent);
-  s.recent_skips = host.recent_skips;
-  s.scale = scaler.core_state();
-  s.consecutive_skips = detector.consecutive_skips();
-  s.optimizer_steps = st.optimizer_steps;
-  s.skipped_steps = st.skipped_steps;
-  s.overflow_skips = st.overflow_skips;
-  s.clipped_steps = st.clipped_steps;
-  return s;
-}
-
-}  // namespace
-
-DeviceDecision::DeviceDecision(const Config& c, c10::Device device, int world,
-                               const SkipDetector& detector, const LossScaler& scaler,
-                               const TrainState& st)
-    : device_(device), world_(world), config_(decide_config(c.skip, c.training)) {
-  std::vector<double> rings;
-  rings_ = at::empty({kernels::decide_state_doubles(c.skip.window, c.skip.fraction_window, world)},
+DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector& detector)
+    : device_(device), world_(world), config_(detector.config()) {
+  // The host's state, uploaded as it is: its rings in one copy, the struct pointing at them.
+  const HostDecideState host = detector.state_for(world);
+  rings_ = at::empty({static_cast<int64_t>(host.rings.size())},
                      at::TensorOptions().dtype(at::kDouble).device(device));
-  // Device addresses: written into the struct only.
+  rings_.copy_(
+      at::from_blob(const_cast<double*>(host.rings.data()), {rings_.numel()}, at::kDouble));
   const kernels::DecideState s =
-      host_state(c, world, detector, scaler, st, rings, rings_.data_ptr<double>());
-  rings_.copy_(at::from_blob(rings.data(), {rings_.numel()}, at::kDouble));
+      kernels::relocated(host.s, host.rings.data(), rings_.data_ptr<double>());
   state_ = bytes_on(device, sizeof s);
   state_.copy_(at::from_blob(const_cast<kernels::DecideState*>(&s),
                              {static_cast<int64_t>(sizeof s)}, at::kByte));
@@ -184,8 +134,13 @@ DeviceDecision::Late DeviceDecision::read(int64_t step) {
     throw std::logic_error(fmt::format("device decision: step {} is not among the last two "
                                        "decided (slot holds {})",
                                        step, slot.step));
-  if (device_.is_cuda()) slot.copied.synchronize();
   Late late;
+  if (device_.is_cuda()) {
+    const auto start = std::chrono::steady_clock::now();
+    slot.copied.synchronize();
+    late.waited = std::max(
+        1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
   const int64_t world = slot.table_host.size(0);
   late.table.resize(static_cast<size_t>(world));
   static_assert(sizeof(RankStats) == kernels::kStatsDoubles * sizeof(double));
@@ -205,9 +160,8 @@ void expect_same_decision(int64_t step, const Verdict& v, double clip,
                        : v.decision == Decision::kSkip          ? kernels::kSkipStep
                                                                 : kernels::kAbortRun;
   const float found_inf = host == kernels::kTake ? 0.0f : 1.0f;
-  // The same bits, or NaN on both sides (a GPU may give another NaN's bits than the CPU).
-  const bool same_norm = std::memcmp(&r.grad_norm, &v.grad_norm, sizeof(double)) == 0 ||
-                         (std::isnan(r.grad_norm) && std::isnan(v.grad_norm));
+  // The same bits: the core returns one canonical NaN on every device.
+  const bool same_norm = std::memcmp(&r.grad_norm, &v.grad_norm, sizeof(double)) == 0;
   const bool same = r.outcome == host && (r.clipped != 0) == clipped &&
                     device.found_inf == found_inf && same_norm &&
                     (host != kernels::kTake ||

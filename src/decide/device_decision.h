@@ -2,17 +2,17 @@
 // table stays on the device, decide_step (kernels/decision.h, one thread) decides there and
 // writes found_inf and grad_scale for the fused AdamW, so a clean step never waits for the
 // host. The host copies the table and the result into pinned memory as the step goes on and
-// reads them a step later, to take the same decision on its own (SkipDetector, LossScaler:
-// the diagnostics, the counters, the progress line) and to check that the two agree bit for
-// bit. An abort is sticky on the device: every update after it is blocked until the host,
+// reads them a step later, to take the same decision on its own (SkipDetector, over the same
+// core: the diagnostics, the counters, the progress line) and to check that the two agree bit
+// for bit. An abort is sticky on the device: every update after it is blocked until the host,
 // a step later, stops. On a CPU the same path runs in host memory (the tests use it).
 //
 // The device form covers every decision taken from the exchanged table alone: each
 // skip.on_global_spike (the scope from every rank's own windows, kept on the device too),
 // with skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance" (the host
 // sets the next step's lr before it reads this one's verdict); device_decision_blocker
-// (config.h) names what keeps a config out of it. With fp16 loss scaling the forward multiplies
-// by the device's scale (loss_scale()).
+// (config.h) names what keeps a config out of it, decides_on_host_because what keeps "auto" on
+// the host. With fp16 loss scaling the forward multiplies by the device's scale (loss_scale()).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,27 +24,23 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/checkpointer.h"
 #include "decide/detector.h"
-#include "decide/loss_scale.h"
 #include "kernels/decision.h"
 #include "lockstep/config.h"
 
 namespace lockstep {
 
-// The shared core's config from the run's: thresholds, guards, the clip (training.max_norm)
-// and the loss-scale rule and guards.
-kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);
-
 // Whether this run decides on the device: skip.device_decision = "on" (checked by the config),
-// or "auto" on a GPU with a config that has a device form.
-bool decides_on_device(const Config& c, c10::Device device);
+// or "auto" on a GPU with a config that has a device form, NCCL and the fused AdamW.
+bool decides_on_device(const Config& c, c10::Device device, int local_ranks = 1);
+// Why "auto" keeps a config that has a device form on the host ("" when it does not): a host
+// backend (Gloo, MPI) or the for-loop AdamW, for which the device form would add host syncs.
+std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks = 1);
 
 class DeviceDecision {
  public:
-  // Starts from the host's state (after a resume: the checkpoint's windows, guards and counters).
-  DeviceDecision(const Config& c, c10::Device device, int world, const SkipDetector& detector,
-                 const LossScaler& scaler, const TrainState& state);
+  // Starts from the host's state (after a resume: the checkpoint's windows, guards, loss scale).
+  DeviceDecision(c10::Device device, int world, const SkipDetector& detector);
   ~DeviceDecision();
   DeviceDecision(const DeviceDecision&) = delete;
   DeviceDecision& operator=(const DeviceDecision&) = delete;
@@ -63,11 +59,12 @@ class DeviceDecision {
     std::vector<RankStats> table;
     kernels::DecideResult result{};
     float found_inf = 0, grad_scale = 0;
+    double waited = 0;  // seconds the host blocked on the copy (0: nothing to wait for, a CPU)
   };
   Late read(int64_t step);
 
   // The loss scale the next step multiplies its loss by: a 0-dim fp64 view of the device's
-  // state (the host's scaler is a step behind).
+  // state (the host's is a step behind).
   const at::Tensor& loss_scale() const { return loss_scale_; }
 
  private:

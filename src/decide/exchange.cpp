@@ -39,7 +39,10 @@ at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::
 }
 
 std::vector<RankStats> exchange_stats(const at::Tensor& row, Comm* comm) {
-  const at::Tensor table = all_gather_rows(comm, row);  // [W, 8] fp64 on the host
+  return stats_of(all_gather_rows(comm, row));  // [W, 8] fp64 on the host
+}
+
+std::vector<RankStats> stats_of(const at::Tensor& table) {
   std::vector<RankStats> out(static_cast<size_t>(table.size(0)));
   for (size_t r = 0; r < out.size(); ++r)
     std::memcpy(static_cast<void*>(&out[r]),

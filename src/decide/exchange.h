@@ -27,6 +27,8 @@ at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::
 // the host, or from its row on the device (one all-gather, one read of the table).
 std::vector<RankStats> exchange_stats(const RankStats& mine, Comm* comm);
 std::vector<RankStats> exchange_stats(const at::Tensor& row, Comm* comm);
+// The rows of a gathered [W, 8] fp64 table in host memory.
+std::vector<RankStats> stats_of(const at::Tensor& host_table);
 
 // Per rank: the sample ids of its batch and their losses.
 struct SampleTable {

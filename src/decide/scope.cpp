@@ -1,4 +1,5 @@
-// The anomaly's scope, culprits and cause, and the policy that turns them into a decision:
+// The names of an anomaly's scope, culprits and cause (the core decides the outcome; this says
+// who and why, from the same core functions):
 //   local   a minority of ranks stand out against their own windows (or samples whose own
 //           loss is nonfinite name themselves): bad data or a bad device. The culprits are
 //           named; the step is skipped (skip.scope = "step"), or their contributions were
@@ -8,6 +9,7 @@
 //           quarantined; skip.on_global_spike says clip (default), skip or abort. A nonfinite
 //           gradient cannot be clipped: it is skipped whatever the scope.
 #include <algorithm>
+#include <optional>
 
 #include "decide/detector.h"
 #include "kernels/decision.h"
@@ -48,24 +50,24 @@ bool LocalFindings::local(size_t world) const {
                            sample_evidence);
 }
 
-LocalFindings SkipDetector::local_findings(const std::vector<RankStats>& ranks,
-                                           double scale) const {
+LocalFindings SkipDetector::local_findings(const std::vector<RankStats>& ranks) const {
   LocalFindings f;
-  const size_t world = ranks.size();
-  const bool windows = rank_losses_.size() == world;
-  const Window none;
-  for (size_t r = 0; r < world; ++r) {
-    const Window& g = windows ? rank_grad_norms_[r] : none;
-    const Window& l = windows ? rank_losses_[r] : none;
+  const int world = static_cast<int>(ranks.size());
+  std::optional<HostDecideState> other;
+  const HostDecideState& st = state_.world == world ? state_ : other.emplace(state_for(world));
+  for (int r = 0; r < world; ++r) {
+    const kernels::Ring g = kernels::rank_ring(st.s.ranks, r, 0);
+    const kernels::Ring l = kernels::rank_ring(st.s.ranks, r, 1);
     const kernels::RankFinding k = kernels::rank_finding(
-        row_of(ranks[r]), scale, [&g](int64_t i) { return g.values()[i]; }, g.size(),
-        [&l](int64_t i) { return l.values()[i]; }, l.size(), cfg_.min_history,
-        {cfg_.enabled, cfg_.max_grad_norm, cfg_.grad_norm_zscore, cfg_.loss_zscore});
+        row_of(ranks[static_cast<size_t>(r)]), st.s.scale.scale,
+        [&g](int64_t i) { return kernels::ring_at(g, i); }, g.size,
+        [&l](int64_t i) { return kernels::ring_at(l, i); }, l.size, config_.min_history,
+        config_.thresholds);
     f.grad_norm_z.push_back(k.grad_norm_z);
     f.loss_z.push_back(k.loss_z);
     f.sample_evidence = f.sample_evidence || k.samples;
     if (k.reasons == 0) continue;
-    f.outliers.push_back(static_cast<int>(r));
+    f.outliers.push_back(r);
     for (int b = 0; b < kernels::kReasonCount; ++b)
       if (k.reasons & (1u << b)) add_unique(f.reasons, reason_name(b));
   }
@@ -77,11 +79,7 @@ void SkipDetector::attribute(Verdict& v, const std::vector<RankStats>& ranks,
   if (!triage.culprits.empty()) {  // settled before the sync
     v.scope = "local";
     v.culprit_ranks = triage.culprits;
-    if (v.reasons.empty()) {  // dropped, repaired by their replay, or to be skipped
-      v.reasons = triage.reasons;
-      if (!triage.skip_step)
-        v.decision = triage.dropped.empty() ? Decision::kStep : Decision::kSalvage;
-    }
+    if (v.reasons.empty()) v.reasons = triage.reasons;  // dropped, repaired, or to be skipped
     return;
   }
   if (v.reasons.empty()) return;
@@ -97,32 +95,6 @@ void SkipDetector::attribute(Verdict& v, const std::vector<RankStats>& ranks,
   if (local) v.culprit_ranks = outliers;
   const bool nonfinite = has(v.reasons, "nonfinite_grad") || has(v.reasons, "nonfinite_loss");
   if (!local && !nonfinite) v.cause = kCauseInstability;
-}
-
-void SkipDetector::apply_policy(Verdict& v) const {
-  const bool nonfinite = has(v.reasons, "nonfinite_grad") || has(v.reasons, "nonfinite_loss");
-  if (v.scope == "global" && !nonfinite) {
-    if (cfg_.on_global_spike == OnGlobalSpike::kClip) {
-      // Taken, clipped to the largest norm the detector accepts; not a skip (no guard counts).
-      uint32_t bits = 0;
-      if (has(v.reasons, "grad_norm_spike")) bits |= kernels::kGradNormSpike;
-      if (has(v.reasons, "grad_norm_above_max")) bits |= kernels::kGradNormAboveMax;
-      const auto gn = [this](int64_t i) { return grad_norms_.values()[i]; };
-      v.clip_to = kernels::spike_clip_to(
-          bits, gn, grad_norms_.size(),
-          {cfg_.enabled, cfg_.max_grad_norm, cfg_.grad_norm_zscore, cfg_.loss_zscore});
-      v.decision = Decision::kClip;
-      return;
-    }
-    if (cfg_.on_global_spike == OnGlobalSpike::kAbort) {
-      v.decision = Decision::kAbort;
-      v.guard = "skip.on_global_spike = abort";
-      return;
-    }
-  }
-  v.decision = Decision::kSkip;
-  v.guard = guard_tripped();
-  if (!v.guard.empty()) v.decision = Decision::kAbort;
 }
 
 }  // namespace lockstep

@@ -78,7 +78,7 @@ Triage Triager::before_sync(const SkipDetector& detector, const TriageInput& in,
   const auto start = Clock::now();
   const std::vector<RankStats> table = exchange_stats(in.mine, comm_);
   costs.triage += seconds_since(start);
-  const LocalFindings f = detector.local_findings(table, in.loss_scale);
+  const LocalFindings f = detector.local_findings(table);
   if (!f.local(table.size())) return t;  // nothing, or global: the synced gradient decides
   t.culprits = f.outliers;
   t.reasons = f.reasons;

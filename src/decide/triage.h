@@ -43,7 +43,6 @@ struct TriageInput {
   RankStats mine;  // [A] and the loss (the shard fields are not known yet)
   std::vector<int64_t> ids;
   std::vector<double> sample_losses;
-  double loss_scale = 1;
 };
 
 class Triager {

@@ -1,7 +1,7 @@
 // The diagnostics event: what one rank records of a skipped or aborted step (and of a desync
 // found by diagnostics.verify_every). One type, one serialisation: the trainer writes it to
 // RUN_DIR/diagnostics/rank<R>.jsonl, `lockstep diag` reads it back with the same code, and
-// launch/report.py reads the same fields (the README documents them, under "Diagnostics").
+// launch/report.py reads the same fields (docs/skip.md documents them).
 #pragma once
 
 #include <cstdint>

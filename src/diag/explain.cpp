@@ -130,8 +130,8 @@ Event Explainer::event(int64_t step, const TrainState& before, const RankStep& m
   e.guard = v.guard;
   e.global = {v.grad_norm,   v.nonfinite, v.loss,  v.overflow_runs,
               v.grad_norm_z, v.loss_z,    scale, v.clip_to};
-  e.window = {detector.history(), detector.grad_norms().mean(), detector.grad_norms().stddev(),
-              detector.losses().mean(), detector.losses().stddev()};
+  const WindowSummary w = detector.window();
+  e.window = {w.history, w.grad_norm_mean, w.grad_norm_std, w.loss_mean, w.loss_std};
   e.thresholds = {thresholds_.max_grad_norm, thresholds_.grad_norm_zscore,
                   thresholds_.loss_zscore, thresholds_.min_history};
   e.rank = rank_;
@@ -154,27 +154,15 @@ Event Explainer::event(int64_t step, const TrainState& before, const RankStep& m
   e.hardware_suspects = v.hardware_suspects;
   e.dropped_ranks = v.dropped_ranks;
   e.lr = lr;
-  TrainState after = before;
-  count_outcome(after, v);
+  TrainState after = before;  // the run's counters as this step leaves them
+  count(after, v, 0, before.data_position);
   const int64_t consecutive = skip ? detector.consecutive_skips() + 1
                               : v.updates() ? 0
                                             : detector.consecutive_skips();
-  e.counters = {step,          before.optimizer_steps, before.skipped_steps + (skip ? 1 : 0),
-                consecutive,   before.overflow_skips + (v.overflow ? 1 : 0),
-                after.clipped_steps, after.salvaged_steps, after.dropped_contributions};
+  e.counters = {after.step,           after.optimizer_steps, after.skipped_steps,
+                consecutive,          after.overflow_skips,  after.clipped_steps,
+                after.salvaged_steps, after.dropped_contributions};
   return e;
-}
-
-void count_outcome(TrainState& st, const Verdict& v) {
-  st.clipped_steps += v.decision == Decision::kClip ? 1 : 0;
-  st.salvaged_steps += v.decision == Decision::kSalvage ? 1 : 0;
-  st.dropped_contributions += static_cast<int64_t>(v.dropped_ranks.size());
-  for (int r : v.hardware_suspects) {
-    const bool transient = std::any_of(v.replays.begin(), v.replays.end(), [&](const auto& x) {
-      return x.rank == r && x.by_rank == r && !x.reproduced;
-    });
-    (transient ? st.transient_faults : st.hardware_faults) += 1;
-  }
 }
 
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "check/gradcheck.h"
-#include "checkpoint/checkpointer.h"
+#include "run_state.h"
 #include "decide/detector.h"
 #include "decide/exchange.h"
 #include "diag/event.h"
@@ -61,9 +61,6 @@ class Explainer {
   std::vector<NamedTensor> grads_;
   std::string host_, device_;
 };
-
-// Adds a decided step's clip, salvage and replay outcomes to the run's counters.
-void count_outcome(TrainState& state, const Verdict& v);
 
 // "step 120: SKIP (nonfinite_grad) | grad_norm nan, ... | culprit rank 1 | samples [...] | ..."
 std::string skip_message(const Event& e);

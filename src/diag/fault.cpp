@@ -55,6 +55,49 @@ const char* fault_name(FaultKind kind) {
   return "?";
 }
 
+const char* fault_meaning(FaultKind kind) {
+  switch (kind) {
+    case FaultKind::kNone: return "";
+    case FaultKind::kNanGrad:
+      return "the loss back-propagated is multiplied by NaN (the logged loss stays finite)";
+    case FaultKind::kInfGrad: return "the loss back-propagated is multiplied by +inf";
+    case FaultKind::kNanLoss: return "one sample's loss is NaN";
+    case FaultKind::kSpike: return "the loss and its gradient are multiplied by fault.spike_factor";
+    case FaultKind::kCrash:
+      return "the rank SIGKILLs itself, on the first attempt only (a machine failure)";
+    case FaultKind::kDesync:
+      return "the rank's weights are perturbed after the update (a silent divergence)";
+    case FaultKind::kOverflow:
+      return "the loss back-propagated is multiplied by 2^24: fp16 gradients overflow";
+    case FaultKind::kTransientNan:
+      return "hardware: one gradient element NaN, on the step's first computation only";
+    case FaultKind::kTransientFlip:
+      return "hardware: the top exponent bit of the last gradient tensor's largest element flips "
+             "(a finite spike), first computation only";
+    case FaultKind::kStickyNan:
+      return "hardware: as transient_nan, on every computation of the step on that rank (a bad "
+             "device)";
+    case FaultKind::kStickyFlip:
+      return "hardware: as transient_flip, on every computation of the step on that rank";
+    case FaultKind::kSilentFlip:
+      return "hardware: the lowest mantissa bit flips; no norm test sees it, the probe "
+             "(diagnostics.replay_every) does";
+    case FaultKind::kExcluded:
+      return "test reference: this rank's loss x 0, the others' x W / (W - k): the run a salvage "
+             "must equal";
+  }
+  return "?";
+}
+
+std::string fault_kinds_markdown() {
+  std::string out = "| fault kind | what it does |\n| --- | --- |\n";
+  for (int k = static_cast<int>(FaultKind::kNanGrad); k <= static_cast<int>(FaultKind::kExcluded);
+       ++k)
+    out += fmt::format("| `{}` | {} |\n", fault_name(static_cast<FaultKind>(k)),
+                       fault_meaning(static_cast<FaultKind>(k)));
+  return out;
+}
+
 bool is_hardware_fault(FaultKind k) {
   return k == FaultKind::kTransientNan || k == FaultKind::kTransientFlip ||
          k == FaultKind::kStickyNan || k == FaultKind::kStickyFlip || k == FaultKind::kSilentFlip;

@@ -42,6 +42,9 @@ bool is_hardware_fault(FaultKind kind);
 // Faults that belong to the batch: a replay of that rank's batch, anywhere, meets them again.
 bool is_data_fault(FaultKind kind);
 const char* fault_name(FaultKind kind);  // "" for kNone, else "nan_grad", ...
+const char* fault_meaning(FaultKind kind);  // one line
+// Every kind with its meaning, a Markdown table (`lockstep config keys` prints it).
+std::string fault_kinds_markdown();
 
 // One injection from fault.inject: `kind` at 1-based step `step` on rank `rank`.
 struct FaultInjection {

@@ -102,13 +102,15 @@ double Progress::elapsed() const {
 }
 
 void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDetector& detector,
-                         double lr, double clip, const StepCosts& costs) {
+                         double lr, double clip, const StepCosts& costs, bool log) {
   ++interval_steps_;
   interval_costs_.decision += costs.decision;
   interval_costs_.sync += costs.sync;
   interval_costs_.triage += costs.triage;
   interval_costs_.replay += costs.replay;
-  if (state.step % opt_.log_freq != 0 && state.step != opt_.total_steps) return;
+  interval_costs_.wait += costs.wait;
+  interval_costs_.waits += costs.waits;
+  if (!log) return;
   const auto now = Clock::now();
   const double secs = std::chrono::duration<double>(now - interval_start_).count();
   const double steps = static_cast<double>(interval_steps_);
@@ -118,8 +120,9 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                                                (static_cast<double>(opt_.devices) * opt_.peak_flops)
                                          : 0;
   print_line(state, v, lr, ms_per_step, tok_s, mfu);
-  metrics_.write({{"step", state.step},
-                  {"loss", json_number(v.loss)},
+  const WindowSummary w = detector.window();
+  nlohmann::json record = counters_json(state);  // step, optimizer_steps, skipped_steps, ...
+  record.update({{"loss", json_number(v.loss)},
                   {"grad_norm", json_number(v.grad_norm)},
                   {"clip_coef", clip},
                   {"lr", lr},
@@ -129,28 +132,22 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                   {"sync_ms", 1e3 * interval_costs_.sync / steps},
                   {"triage_ms", 1e3 * interval_costs_.triage / steps},
                   {"replay_ms", 1e3 * interval_costs_.replay / steps},
+                  {"host_wait_ms", 1e3 * interval_costs_.wait / steps},
+                  {"host_waits", static_cast<double>(interval_costs_.waits) / steps},
                   {"tokens_per_s", tok_s},
                   {"mfu", mfu > 0 ? nlohmann::json(mfu) : nlohmann::json()},
-                  {"tokens_seen", state.tokens_seen},
-                  {"optimizer_steps", state.optimizer_steps},
-                  {"skipped_steps", state.skipped_steps},
-                  {"overflow_skips", state.overflow_skips},
-                  {"clipped_steps", state.clipped_steps},
-                  {"salvaged_steps", state.salvaged_steps},
-                  {"dropped_contributions", state.dropped_contributions},
-                  {"transient_faults", state.transient_faults},
-                  {"hardware_faults", state.hardware_faults},
                   {"loss_scale", v.loss_scale},
                   {"consecutive_skips", detector.consecutive_skips()},
                   {"skip_rate", static_cast<double>(state.skipped_steps) /
                                     static_cast<double>(state.step)},
-                  {"window_history", detector.history()},
-                  {"grad_norm_mean", json_number(detector.grad_norms().mean())},
-                  {"grad_norm_std", json_number(detector.grad_norms().stddev())},
-                  {"loss_mean", json_number(detector.losses().mean())},
-                  {"loss_std", json_number(detector.losses().stddev())},
+                  {"window_history", w.history},
+                  {"grad_norm_mean", json_number(w.grad_norm_mean)},
+                  {"grad_norm_std", json_number(w.grad_norm_std)},
+                  {"loss_mean", json_number(w.loss_mean)},
+                  {"loss_std", json_number(w.loss_std)},
                   {"rss_mib", resident_mib()},
                   {"elapsed_s", std::chrono::duration<double>(now - start_).count()}});
+  metrics_.write(record);
   interval_start_ = now;
   interval_steps_ = 0;
   interval_costs_ = {};

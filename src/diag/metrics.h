@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "checkpoint/checkpointer.h"
+#include "run_state.h"
 #include "decide/detector.h"
 #include "diag/event.h"
 
@@ -30,7 +30,6 @@ struct ProgressOptions {
   std::string metrics_path;  // "" writes no file (ranks other than 0)
   int64_t total_steps = 0;
   int64_t tokens_per_step = 0;  // global
-  int64_t log_freq = 1;
   bool show_scale = false;      // the line shows the loss scale (fp16 loss scaling on)
   double flops_per_token = 0;   // the model's training FLOPs per token
   double peak_flops = 0;        // one device's peak FLOP/s; 0 = no MFU
@@ -42,9 +41,9 @@ class Progress {
   explicit Progress(ProgressOptions options);
 
   // Counts the step `state` has just completed (`costs`: what its decision machinery cost);
-  // on a logged step, prints the progress line and writes the metrics record.
+  // when `log` (a logged step), prints the progress line and writes the metrics record.
   void step_done(const TrainState& state, const Verdict& verdict, const SkipDetector& detector,
-                 double lr, double clip, const StepCosts& costs);
+                 double lr, double clip, const StepCosts& costs, bool log);
 
   // A validation ran after `step`: its log line and metrics record; its time is left out of
   // the step rates.

@@ -48,7 +48,7 @@ double ModelSize::flops_per_token(int64_t seq_len) const {
 double state_bytes_per_rank(const ModelSize& size, const TrainingConfig& t, ParallelMode mode,
                             int64_t world) {
   // Bytes per parameter: fixed on every rank, and divided among the ranks (sharded). See the
-  // README's Mixed precision table.
+  // docs/usage.md's Mixed precision table.
   const bool p16 = t.mixed_precision_param != Precision::kFloat32;
   const bool r16 = t.mixed_precision_reduce == ReducePrecision::kBFloat16;
   double ddp = 16, fixed = 8, spread = 16;  // fp32 / fp32

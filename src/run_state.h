@@ -1,0 +1,66 @@
+// The run's state: what a resumed run continues from, and the counters that meta.json,
+// metrics.jsonl, the progress line and events report. One field list (kRunCounters) writes and
+// reads every counter; one function (count) advances them with a decided step. The decision's
+// own state (windows, guards, loss scale) is the detector's: it travels here as JSON.
+#pragma once
+
+#include <cstdint>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/decision.h"
+
+namespace lockstep {
+
+struct TrainState {
+  int64_t step = 0;             // steps completed
+  int64_t optimizer_steps = 0;  // steps that updated the weights
+  int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
+  int64_t tokens_seen = 0;
+  int64_t world_size = 1;       // ranks that trained up to here (any size may resume)
+  int64_t skipped_steps = 0;    // steps whose update was skipped by the agreed decision
+  int64_t overflow_skips = 0;   // steps skipped on an fp16 overflow (counted apart)
+  int64_t clipped_steps = 0;    // global spikes taken clipped (skip.on_global_spike = "clip")
+  int64_t salvaged_steps = 0;   // steps taken without some ranks' contributions
+  int64_t dropped_contributions = 0;  // rank contributions dropped by salvages, in all
+  int64_t transient_faults = 0;  // culprits whose replay came out clean
+  int64_t hardware_faults = 0;   // culprits or probe targets blamed on their device
+  nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
+  nlohmann::json loss_scale = nlohmann::json::object();  // its loss_scale_state(); {} = fresh
+};
+
+// A counter's name in meta.json, metrics.jsonl and events, and whether every checkpoint holds
+// it (the later ones read as 0 from checkpoints written before them).
+struct RunCounter {
+  const char* name;
+  int64_t TrainState::*field;
+  bool always;
+};
+inline constexpr RunCounter kRunCounters[] = {
+    {"step", &TrainState::step, true},
+    {"optimizer_steps", &TrainState::optimizer_steps, true},
+    {"data_position", &TrainState::data_position, true},
+    {"tokens_seen", &TrainState::tokens_seen, true},
+    {"world_size", &TrainState::world_size, true},
+    {"skipped_steps", &TrainState::skipped_steps, true},
+    {"overflow_skips", &TrainState::overflow_skips, false},
+    {"clipped_steps", &TrainState::clipped_steps, false},
+    {"salvaged_steps", &TrainState::salvaged_steps, false},
+    {"dropped_contributions", &TrainState::dropped_contributions, false},
+    {"transient_faults", &TrainState::transient_faults, false},
+    {"hardware_faults", &TrainState::hardware_faults, false},
+};
+
+// The decided step's effect on the counters, the only place they change: one more step, an
+// update or a skip (an fp16 overflow counted apart), a clip, a salvage and its dropped ranks,
+// the devices its replays blamed. An abort updates nothing; its event still counts what it
+// found (an overflow, dropped ranks, blamed devices).
+// `tokens`: the step's batch (global); `data_position`: the sampler's after it.
+void count(TrainState& st, const Verdict& v, int64_t tokens, int64_t data_position);
+
+// Every counter by name (meta.json, metrics.jsonl).
+nlohmann::json counters_json(const TrainState& st);
+// The counters of a meta.json `j` (checked by the loader); the later ones default to 0.
+void read_counters(const nlohmann::json& j, TrainState& st);
+
+}  // namespace lockstep
