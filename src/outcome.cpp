@@ -12,9 +12,10 @@
 namespace lockstep {
 
 Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
-              const SampleTable& samples, double lr) {
-  const Event e =
-      job.explainer->event(job.state.step + 1, job.state, s, v, table, samples, *job.detector, lr);
+              const SampleTable& samples, double lr, int64_t data_position) {
+  RunCounters after = job.state;  // the run's counters as this step leaves them
+  count(after, v, job.tokens_per_step, data_position);
+  const Event e = job.explainer->event(after, s, v, table, samples, *job.detector, lr);
   job.events->write(to_json(e));
   if (v.decision != Decision::kAbort)
     log::write(job.lead ? log::Level::kWarn : log::Level::kInfo, skip_message(e));

@@ -41,9 +41,10 @@ bool after_step(Job& job, Progress& progress, TrainResult& result, const StepRes
                 int64_t& last_verified, bool may_stop = true);
 
 // Every rank writes its event (its own view plus the agreed table, every rank's sample ids in
-// `samples`) for the step after job.state.step; anything but an abort is logged. No collective.
+// `samples`) for the step after job.state.step, whose batch left the sampler at
+// `data_position`; anything but an abort is logged. No collective.
 Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
-              const SampleTable& samples, double lr);
+              const SampleTable& samples, double lr, int64_t data_position);
 
 // An abort's end: every rank saves the last good state (the weights are still it) and throws
 // TrainingAborted with the event's one line (exit 5, or 6 for skip.on_hardware_fault).

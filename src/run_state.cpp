@@ -4,7 +4,7 @@
 
 namespace lockstep {
 
-void count(TrainState& st, const Verdict& v, int64_t tokens, int64_t data_position) {
+void count(RunCounters& st, const Verdict& v, int64_t tokens, int64_t data_position) {
   st.step += 1;
   st.tokens_seen += tokens;
   st.data_position = data_position;
@@ -22,15 +22,16 @@ void count(TrainState& st, const Verdict& v, int64_t tokens, int64_t data_positi
   }
 }
 
-nlohmann::json counters_json(const TrainState& st) {
+nlohmann::json counters_json(const RunCounters& st) {
   nlohmann::json j = nlohmann::json::object();
   for (const RunCounter& c : kRunCounters) j[c.name] = st.*c.field;
   return j;
 }
 
-void read_counters(const nlohmann::json& j, TrainState& st) {
+void read_counters(const nlohmann::json& j, RunCounters& st, bool all_optional) {
   for (const RunCounter& c : kRunCounters)
-    st.*c.field = c.always ? j.at(c.name).get<int64_t>() : j.value(c.name, int64_t{0});
+    st.*c.field =
+        c.always && !all_optional ? j.at(c.name).get<int64_t>() : j.value(c.name, int64_t{0});
 }
 
 }  // namespace lockstep

@@ -12,7 +12,8 @@
 
 namespace lockstep {
 
-struct TrainState {
+// The counters (meta.json, metrics.jsonl, events).
+struct RunCounters {
   int64_t step = 0;             // steps completed
   int64_t optimizer_steps = 0;  // steps that updated the weights
   int64_t data_position = 0;    // sampler position (samples consumed by all ranks)
@@ -25,6 +26,10 @@ struct TrainState {
   int64_t dropped_contributions = 0;  // rank contributions dropped by salvages, in all
   int64_t transient_faults = 0;  // culprits whose replay came out clean
   int64_t hardware_faults = 0;   // culprits or probe targets blamed on their device
+};
+
+// What a resumed run continues from: the counters and the decision's state.
+struct TrainState : RunCounters {
   nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
   nlohmann::json loss_scale = nlohmann::json::object();  // its loss_scale_state(); {} = fresh
 };
@@ -33,22 +38,22 @@ struct TrainState {
 // it (the later ones read as 0 from checkpoints written before them).
 struct RunCounter {
   const char* name;
-  int64_t TrainState::*field;
+  int64_t RunCounters::*field;
   bool always;
 };
 inline constexpr RunCounter kRunCounters[] = {
-    {"step", &TrainState::step, true},
-    {"optimizer_steps", &TrainState::optimizer_steps, true},
-    {"data_position", &TrainState::data_position, true},
-    {"tokens_seen", &TrainState::tokens_seen, true},
-    {"world_size", &TrainState::world_size, true},
-    {"skipped_steps", &TrainState::skipped_steps, true},
-    {"overflow_skips", &TrainState::overflow_skips, false},
-    {"clipped_steps", &TrainState::clipped_steps, false},
-    {"salvaged_steps", &TrainState::salvaged_steps, false},
-    {"dropped_contributions", &TrainState::dropped_contributions, false},
-    {"transient_faults", &TrainState::transient_faults, false},
-    {"hardware_faults", &TrainState::hardware_faults, false},
+    {"step", &RunCounters::step, true},
+    {"optimizer_steps", &RunCounters::optimizer_steps, true},
+    {"data_position", &RunCounters::data_position, true},
+    {"tokens_seen", &RunCounters::tokens_seen, true},
+    {"world_size", &RunCounters::world_size, true},
+    {"skipped_steps", &RunCounters::skipped_steps, true},
+    {"overflow_skips", &RunCounters::overflow_skips, false},
+    {"clipped_steps", &RunCounters::clipped_steps, false},
+    {"salvaged_steps", &RunCounters::salvaged_steps, false},
+    {"dropped_contributions", &RunCounters::dropped_contributions, false},
+    {"transient_faults", &RunCounters::transient_faults, false},
+    {"hardware_faults", &RunCounters::hardware_faults, false},
 };
 
 // The decided step's effect on the counters, the only place they change: one more step, an
@@ -56,11 +61,12 @@ inline constexpr RunCounter kRunCounters[] = {
 // the devices its replays blamed. An abort updates nothing; its event still counts what it
 // found (an overflow, dropped ranks, blamed devices).
 // `tokens`: the step's batch (global); `data_position`: the sampler's after it.
-void count(TrainState& st, const Verdict& v, int64_t tokens, int64_t data_position);
+void count(RunCounters& st, const Verdict& v, int64_t tokens, int64_t data_position);
 
-// Every counter by name (meta.json, metrics.jsonl).
-nlohmann::json counters_json(const TrainState& st);
-// The counters of a meta.json `j` (checked by the loader); the later ones default to 0.
-void read_counters(const nlohmann::json& j, TrainState& st);
+// Every counter by name (meta.json, metrics.jsonl, events).
+nlohmann::json counters_json(const RunCounters& st);
+// The counters of a meta.json `j` (checked by the loader): the later ones default to 0, or every
+// one with `all_optional` (an event written before a counter existed).
+void read_counters(const nlohmann::json& j, RunCounters& st, bool all_optional = false);
 
 }  // namespace lockstep

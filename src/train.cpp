@@ -88,11 +88,11 @@ std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
 // An anomalous step's explanation: every rank exchanges its batch's sample ids and writes its
 // event; an abort ends the run here, the last good state saved.
 void explain_step(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
-                  double lr) {
+                  double lr, int64_t data_position) {
   if (!v.anomalous()) return;
   read_to_host(s);
   const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
-  const Event e = explain(job, s, v, table, samples, lr);
+  const Event e = explain(job, s, v, table, samples, lr, data_position);
   if (v.decision == Decision::kAbort) abort_run(job, e, v);
 }
 
@@ -126,7 +126,7 @@ void decide_on_host(Job& job, Issued& i) {
   s.costs.decision += seconds_since(start);
   const Verdict& v = r.verdict;
   warn_overflow(i.step, v);
-  explain_step(job, s, v, table, i.lr);
+  explain_step(job, s, v, table, i.lr, job.sampler->position());
   // The clip (the core's, against training.max_norm or a clip decision's lower bound) and the
   // loss scale are divided out in the update's one pass (grad_scale = scale / clip).
   r.clip = v.clip;
@@ -165,7 +165,7 @@ StepResult read_device_verdict(Job& job, Issued& i) {
   r.clip = v.clip;
   expect_same_decision(i.step, v, r.clip, late);
   warn_overflow(i.step, v);
-  explain_step(job, i.s, v, late.table, i.lr);
+  explain_step(job, i.s, v, late.table, i.lr, i.data_position);
   return r;
 }
 

@@ -66,9 +66,9 @@ std::optional<int64_t> folder_step(const std::string& dir) {
 void check_counters(const MetaCheck& c, const json& meta, const std::string& dir) {
   TrainState n;
   for (const RunCounter& k : kRunCounters) {
-    const bool positive = k.field == &TrainState::step || k.field == &TrainState::world_size;
+    const bool positive = k.field == &RunCounters::step || k.field == &RunCounters::world_size;
     if (k.always || meta.contains(k.name)) n.*k.field = c.count(k.name, positive ? 1 : 0);
-    if (k.field == &TrainState::step)
+    if (k.field == &RunCounters::step)
       if (auto s = folder_step(dir); s && *s != n.step)
         c.fail("step", fmt::format("is {} in folder step-{}", n.step, *s));
   }

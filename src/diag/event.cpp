@@ -91,9 +91,6 @@ void add_cause(json& j, const Event& e) {
   j["hardware_suspects"] = e.hardware_suspects;
   j["dropped_ranks"] = e.dropped_ranks;
   j["global"]["clip_to"] = e.global.clip_to;
-  j["counters"]["clipped_steps"] = e.counters.clipped_steps;
-  j["counters"]["salvaged_steps"] = e.counters.salvaged_steps;
-  j["counters"]["dropped_contributions"] = e.counters.dropped_contributions;
 }
 
 void read_cause(const json& j, Event& e) {
@@ -103,10 +100,6 @@ void read_cause(const json& j, Event& e) {
   e.hardware_suspects = j.value("hardware_suspects", std::vector<int>{});
   e.dropped_ranks = j.value("dropped_ranks", std::vector<int>{});
   e.global.clip_to = j.at("global").value("clip_to", 0.0);
-  const json& c = j.at("counters");
-  e.counters.clipped_steps = c.value("clipped_steps", int64_t{0});
-  e.counters.salvaged_steps = c.value("salvaged_steps", int64_t{0});
-  e.counters.dropped_contributions = c.value("dropped_contributions", int64_t{0});
 }
 
 Event::Local local_from_json(const json& j) {
@@ -148,7 +141,6 @@ json to_json(const Event& e) {
   const auto& g = e.global;
   const auto& w = e.window;
   const auto& t = e.thresholds;
-  const auto& c = e.counters;
   json ranks = json::array();
   for (const auto& r : e.ranks) ranks.push_back(to_json(r));
   json j = {{"step", e.step},
@@ -173,10 +165,8 @@ json to_json(const Event& e) {
           {"culprit_ranks", e.culprit_ranks},
           {"suspect_sample_ids", e.suspect_sample_ids},
           {"lr", json_number(e.lr)},
-          {"counters",
-           {{"step", c.step}, {"optimizer_steps", c.optimizer_steps},
-            {"skipped_steps", c.skipped_steps}, {"consecutive_skips", c.consecutive_skips},
-            {"overflow_skips", c.overflow_skips}}}};
+          {"counters", counters_json(e.counters)}};
+  j["counters"]["consecutive_skips"] = e.consecutive_skips;
   add_cause(j, e);
   return j;
 }
@@ -206,9 +196,9 @@ Event event_from_json(const json& j) {
   e.suspect_sample_ids = j.at("suspect_sample_ids").get<std::vector<int64_t>>();
   e.lr = number_from_json(j.at("lr"));
   const json& c = j.at("counters");
-  e.counters = {c.at("step").get<int64_t>(), c.at("optimizer_steps").get<int64_t>(),
-                c.at("skipped_steps").get<int64_t>(), c.at("consecutive_skips").get<int64_t>(),
-                c.value("overflow_skips", int64_t{0})};
+  for (const char* k : {"step", "optimizer_steps", "skipped_steps"}) c.at(k).get<int64_t>();
+  read_counters(c, e.counters, /*all_optional=*/true);  // events before a counter: 0
+  e.consecutive_skips = c.at("consecutive_skips").get<int64_t>();
   read_cause(j, e);
   return e;
 }

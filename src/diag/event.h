@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "run_state.h"
+
 namespace lockstep {
 
 struct Event {
@@ -61,11 +63,6 @@ struct Event {
     int64_t nonfinite = 0;
     double first_loss = kNaN, first_grad_norm = kNaN;  // the first computation's
   };
-  struct Counters {  // after this step
-    int64_t step = 0, optimizer_steps = 0, skipped_steps = 0, consecutive_skips = 0;
-    int64_t overflow_skips = 0;
-    int64_t clipped_steps = 0, salvaged_steps = 0, dropped_contributions = 0;
-  };
 
   int64_t step = 0;
   std::string decision;              // "skip" | "abort" | "clip" | "salvage" | "step"
@@ -84,7 +81,8 @@ struct Event {
   std::vector<Replay> replays;
   std::vector<int> hardware_suspects, dropped_ranks;
   double lr = kNaN;
-  Counters counters;
+  RunCounters counters;           // the run's, after this step (run_state.h's field list)
+  int64_t consecutive_skips = 0;  // after this step
 };
 
 nlohmann::json to_json(const Event& e);

@@ -115,14 +115,14 @@ Explainer::Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
       host_(std::move(host)),
       device_(std::move(device)) {}
 
-Event Explainer::event(int64_t step, const TrainState& before, const RankStep& mine,
-                       const Verdict& v, const std::vector<RankStats>& table,
+Event Explainer::event(const RunCounters& after, const RankStep& mine, const Verdict& v,
+                       const std::vector<RankStats>& table,
                        const SampleTable& samples, const SkipDetector& detector,
                        double lr) const {
   const bool skip = v.decision == Decision::kSkip && !v.overflow;
   const double scale = v.loss_scale;  // the checks see scaled gradients; events show them unscaled
   Event e;
-  e.step = step;
+  e.step = after.step;
   e.decision = decision_name(v.decision);
   e.scope = v.scope;
   e.cause = v.cause;
@@ -154,14 +154,10 @@ Event Explainer::event(int64_t step, const TrainState& before, const RankStep& m
   e.hardware_suspects = v.hardware_suspects;
   e.dropped_ranks = v.dropped_ranks;
   e.lr = lr;
-  TrainState after = before;  // the run's counters as this step leaves them
-  count(after, v, 0, before.data_position);
-  const int64_t consecutive = skip ? detector.consecutive_skips() + 1
-                              : v.updates() ? 0
-                                            : detector.consecutive_skips();
-  e.counters = {after.step,           after.optimizer_steps, after.skipped_steps,
-                consecutive,          after.overflow_skips,  after.clipped_steps,
-                after.salvaged_steps, after.dropped_contributions};
+  e.counters = after;
+  e.consecutive_skips = skip ? detector.consecutive_skips() + 1
+                        : v.updates() ? 0
+                                      : detector.consecutive_skips();
   return e;
 }
 

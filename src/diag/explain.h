@@ -48,9 +48,9 @@ class Explainer {
   Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
             std::vector<NamedTensor> grads, std::string host, std::string device);
 
-  // The event of an anomalous step `step` (1-based). `before` holds the counters before it;
-  // `detector` has not recorded it yet.
-  Event event(int64_t step, const TrainState& before, const RankStep& mine, const Verdict& v,
+  // The event of an anomalous step; `after` holds the run's counters as it leaves them (its
+  // step, 1-based, among them); `detector` has not recorded it yet.
+  Event event(const RunCounters& after, const RankStep& mine, const Verdict& v,
               const std::vector<RankStats>& table, const SampleTable& samples,
               const SkipDetector& detector, double lr) const;
 
