@@ -63,7 +63,8 @@ struct Verdict {
   std::string scope;                   // "local" (a minority of ranks), "global", or ""
   std::string cause;                   // kCause*, "" when unknown (no replay)
   std::vector<double> rank_grad_norm, rank_loss;      // each rank's own values (unscaled)
-  std::vector<double> rank_grad_norm_z, rank_loss_z;  // ... against its own window
+  std::vector<double> rank_grad_norm_z, rank_loss_z;  // ... against its own window (anomalous
+                                                      // steps only: their events show them)
   std::vector<int> dropped_ranks;      // salvage: contributed nothing to the sync
   std::vector<ReplayResult> replays;
   std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed

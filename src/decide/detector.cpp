@@ -186,19 +186,21 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
     return v;
   }
   name_reasons(r.reasons, v.reasons);
-  const LocalFindings f = local_findings(ranks);
   for (int i = 0; i < world; ++i) {
     const double* row = table_of(ranks) + i * kernels::kStatsDoubles;
     const kernels::RankValues rv = kernels::rank_values(row, r.loss_scale);
     v.rank_grad_norm.push_back(rv.grad_norm);
     v.rank_loss.push_back(rv.loss);
   }
-  v.rank_grad_norm_z = f.grad_norm_z;
-  v.rank_loss_z = f.loss_z;
   v.dropped_ranks = triage.dropped;
   v.replays = triage.replays;
   v.cause = triage.cause;
   v.hardware_suspects = triage.hardware_suspects;
+  // Only a step to explain needs the names: each rank against its own windows, the scope.
+  if (r.reasons == 0 && triage.culprits.empty() && v.decision == Decision::kStep) return v;
+  const LocalFindings f = local_findings(ranks);
+  v.rank_grad_norm_z = f.grad_norm_z;
+  v.rank_loss_z = f.loss_z;
   attribute(v, ranks, f, triage);
   return v;
 }
