@@ -1,7 +1,7 @@
 // The Comm over a LibTorch c10d process group, one class for every c10d backend (Gloo, NCCL):
-// tensors that do not live where the library wants them are staged there and copied back when
-// the work completes; every host wait has the collective timeout and names the operation (NCCL's
-// waits are the stream's: see C10dGroup::host_waits).
+// every host wait has the collective timeout and names the operation (NCCL's waits are the
+// stream's: see C10dGroup::host_waits). Tensors on another device than the library's are moved
+// by the staging decorator (staged.cpp) around it.
 #include <fmt/core.h>
 
 #include <utility>
@@ -21,39 +21,43 @@ class C10dComm final : public Comm {
   std::string backend() const override { return g_.name; }
 
   std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
-    at::Tensor s = staged(t);
-    std::vector<at::Tensor> v = {s};
-    return finish(g_.pg->allreduce(v), "all_reduce", {{s, t}});
+    std::vector<at::Tensor> v = {t};
+    return finish(g_.pg->allreduce(v), "all_reduce");
   }
   void broadcast(at::Tensor& t, int root) override {
-    at::Tensor s = staged(t);
-    std::vector<at::Tensor> v = {s};
+    std::vector<at::Tensor> v = {t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    finish(g_.pg->broadcast(v, o), "broadcast", {{s, t}})->wait();
+    finish(g_.pg->broadcast(v, o), "broadcast")->wait();
   }
   std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
                                              const std::vector<at::Tensor>& out) override {
     check_count(out.size(), "all_gather");
-    std::vector<at::Tensor> souts;
-    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
-    for (const auto& t : out) {
-      souts.push_back(staged(t));
-      copies.emplace_back(souts.back(), t);
-    }
-    std::vector<std::vector<at::Tensor>> o = {souts};
-    std::vector<at::Tensor> i = {staged(in)};
-    return finish(g_.pg->allgather(o, i), "all_gather", std::move(copies));
+    std::vector<std::vector<at::Tensor>> o = {out};
+    std::vector<at::Tensor> i = {in};
+    return finish(g_.pg->allgather(o, i), "all_gather");
   }
   std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
                                                      at::Tensor& out) override {
     check_count(in.size(), "reduce_scatter");
-    std::vector<at::Tensor> blocks;
-    for (const auto& t : in) blocks.push_back(staged(t));
-    at::Tensor sout = staged(out);
-    std::vector<at::Tensor> o = {sout};
-    std::vector<std::vector<at::Tensor>> i = {blocks};
-    return finish(g_.pg->reduce_scatter(o, i), "reduce_scatter", {{sout, out}});
+    std::vector<at::Tensor> o = {out};
+    std::vector<std::vector<at::Tensor>> i = {in};
+    return finish(g_.pg->reduce_scatter(o, i), "reduce_scatter");
+  }
+  std::unique_ptr<CommWork> all_gather_flat_async(const at::Tensor& in,
+                                                  at::Tensor& out) override {
+    if (out.numel() != in.numel() * g_.size || !out.is_contiguous() || !in.is_contiguous())
+      return Comm::all_gather_flat_async(in, out);
+    at::Tensor i = in, o = out.view({-1});
+    return finish(g_.pg->_allgather_base(o, i), "all_gather");
+  }
+  std::unique_ptr<CommWork> reduce_scatter_flat_async(const at::Tensor& in,
+                                                      at::Tensor& out) override {
+    if (in.numel() != out.numel() * g_.size || !out.is_contiguous() || !in.is_contiguous())
+      return Comm::reduce_scatter_flat_async(in, out);
+    at::Tensor i = in.view({-1}), o = out;
+    c10d::ReduceScatterOptions opts;
+    return finish(g_.pg->_reduce_scatter_base(o, i, opts), "reduce_scatter");
   }
   void barrier() override { wait(g_.pg->barrier(g_.barrier), "barrier"); }
   c10::Device device() const override { return g_.stage; }
@@ -67,21 +71,14 @@ class C10dComm final : public Comm {
   }
 
  private:
-  bool at_home(const at::Tensor& t) const { return t.device().type() == g_.stage.type(); }
-  at::Tensor staged(const at::Tensor& t) const { return at_home(t) ? t : t.to(g_.stage); }
   void check_count(size_t n, const char* op) const {
     if (static_cast<int>(n) != g_.size)
       throw std::invalid_argument(
           fmt::format("{} {}: {} tensors for {} ranks", g_.name, op, n, g_.size));
   }
-  // The work's completion: wait (under the timeout), then copy staged results to the originals.
-  std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op,
-                                   std::vector<std::pair<at::Tensor, at::Tensor>> copies) {
-    return std::make_unique<CommWork>([this, work, op, copies] {
-      wait(work, op);
-      for (const auto& [staged, t] : copies)
-        if (!at_home(t)) t.copy_(staged);
-    });
+  // The work's completion: a wait under the timeout.
+  std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op) {
+    return std::make_unique<CommWork>([this, work, op] { wait(work, op); });
   }
   // A wait with a timeout blocks the host until the collective is done: a lost rank gives an
   // error naming the operation instead of a hang. Without host waits (NCCL) the current stream
@@ -107,7 +104,7 @@ class C10dComm final : public Comm {
 }  // namespace
 
 std::unique_ptr<Comm> comm_over(C10dGroup group) {
-  return std::make_unique<C10dComm>(std::move(group));
+  return staged(std::make_unique<C10dComm>(std::move(group)));
 }
 
 std::chrono::milliseconds to_ms(double seconds) {

@@ -18,7 +18,7 @@ namespace lockstep {
 struct C10dGroup {
   c10::intrusive_ptr<c10d::Backend> pg;
   std::string name;           // "gloo" | "nccl": names the backend in errors
-  c10::Device stage;          // where the library wants tensors; others are staged through it
+  c10::Device stage;          // where the library wants tensors; others are staged (staged.cpp)
   c10d::BarrierOptions barrier;
   std::chrono::milliseconds timeout;  // each collective (comm.train_timeout_seconds)
   int rank, size;
@@ -29,7 +29,7 @@ struct C10dGroup {
   bool host_waits = true;
 };
 
-// The Comm over a c10d process group (c10d.cpp).
+// The Comm over a c10d process group (c10d.cpp), behind the staging decorator.
 std::unique_ptr<Comm> comm_over(C10dGroup group);
 
 // nccl.cpp; throws ConfigError in builds without CUDA.

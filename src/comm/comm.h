@@ -3,8 +3,9 @@
 // LibTorch c10d's ProcessGroupGloo and the stores, nccl.cpp ProcessGroupNCCL (CUDA builds),
 // mpi.cpp OpenMPI; c10d.cpp is the Comm over any c10d process group. factory.cpp picks one.
 //
-// Tensors may live on the CPU or on the GPU with any backend: each stages what its library
-// cannot take (NCCL moves device memory only; the CPU backends get host copies of GPU tensors).
+// Tensors may live on the CPU or on the GPU with any backend: one decorator (staged.cpp) around
+// every backend stages what its library cannot take (NCCL moves device memory only; the CPU
+// backends get host copies of GPU tensors).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -64,6 +65,13 @@ class Comm {
   // their in[r] (the gradient sync of the sharded mode).
   virtual std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
                                                              at::Tensor& out) = 0;
+  // Flat forms, one contiguous buffer each: `out` holds size() blocks of in.numel(), rank r's
+  // `in` in block r (all-gather); `in` holds size() blocks of out.numel(), block r summed into
+  // rank r's `out` (reduce-scatter). c10d's _allgather_base / _reduce_scatter_base: no per-rank
+  // views to flatten and copy. By default the list forms over views of the blocks.
+  virtual std::unique_ptr<CommWork> all_gather_flat_async(const at::Tensor& in, at::Tensor& out);
+  virtual std::unique_ptr<CommWork> reduce_scatter_flat_async(const at::Tensor& in,
+                                                              at::Tensor& out);
   // Blocking collectives.
   virtual void broadcast(at::Tensor& t, int root) = 0;  // in place
   virtual void barrier() = 0;
@@ -83,19 +91,9 @@ class Comm {
   void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) {
     reduce_scatter_sum_async(in, out)->wait();
   }
-  // The same on flat buffers: out is size() x in; in holds size() blocks of out.numel().
-  void all_gather(const at::Tensor& in, at::Tensor& out) {
-    std::vector<at::Tensor> outs;
-    for (int r = 0; r < size(); ++r) outs.push_back(out.select(0, r));
-    all_gather(in, outs);
-  }
+  void all_gather(const at::Tensor& in, at::Tensor& out) { all_gather_flat_async(in, out)->wait(); }
   void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) {
-    const int64_t n = out.numel();
-    if (in.dim() != 1 || in.numel() != n * size())
-      throw std::invalid_argument("reduce_scatter: in must be flat with size() x out elements");
-    std::vector<at::Tensor> blocks;
-    for (int r = 0; r < size(); ++r) blocks.push_back(in.narrow(0, r * n, n));
-    reduce_scatter_sum(blocks, out);
+    reduce_scatter_flat_async(in, out)->wait();
   }
 };
 
@@ -151,6 +149,10 @@ std::unique_ptr<Comm> connect(const RankInfo& ranks, Backend requested, c10::Dev
 // ranks.master_addr:master_port (rank 0 serves it, or the torchrun agent does), under
 // ranks.store_prefix().
 std::unique_ptr<Comm> make_c10d_comm(const RankInfo& ranks, const CommOptions& options);
+
+// `inner` behind the staging decorator: a tensor on another device than inner->device() goes
+// there for the collective and its result comes back on wait() (every backend is made so).
+std::unique_ptr<Comm> staged(std::unique_ptr<Comm> inner);
 
 // MPI collectives over MPI_COMM_WORLD (OpenMPI; builds with LOCKSTEP_MPI only). Initialises MPI
 // if needed; throws ConfigError when MPI's rank and size disagree with `ranks`.

@@ -1,8 +1,8 @@
 // Gloo process groups through LibTorch c10d, and the rendezvous stores every c10d backend uses
-// (the collectives themselves: comm_c10d.cpp). The only file that includes Gloo or the c10d
-// stores. The torch wheel ships no gloo headers;
-// Debian's libgloo-dev provides them (launch/setup.sh). GPU tensors are staged through host
-// memory (Gloo is the CPU backend; it serves ranks that share one GPU, which NCCL refuses).
+// (the collectives themselves: c10d.cpp). The only file that includes Gloo or the c10d stores.
+// The torch wheel ships no gloo headers; Debian's libgloo-dev provides them (launch/setup.sh).
+// GPU tensors come through host memory (the staging decorator, staged.cpp): Gloo is the CPU
+// backend; it serves ranks that share one GPU, which NCCL refuses.
 #include <fmt/core.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

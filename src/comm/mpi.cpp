@@ -135,13 +135,13 @@ class MpiComm final : public Comm {
   }
 
  private:
-  // The host tensor MPI works on: `t` itself, or a host copy of a GPU tensor (CUDA-aware MPI
-  // is not assumed); `back` copies the result into a GPU original.
+  // The host tensor MPI works on (CUDA-aware MPI is not assumed: the staging decorator brings
+  // GPU tensors here).
   static at::Tensor host(const at::Tensor& t, const char* op) {
-    if (!t.is_contiguous() || t.numel() > INT32_MAX)
+    if (!t.is_contiguous() || t.numel() > INT32_MAX || !t.is_cpu())
       throw std::invalid_argument(fmt::format(
-          "mpi {}: expects a contiguous tensor of at most 2^31-1 elements", op));
-    return t.is_cpu() ? t : t.cpu();
+          "mpi {}: expects a contiguous host tensor of at most 2^31-1 elements", op));
+    return t;
   }
   // MPI has no sum of 16-bit floats: a bf16 or fp16 tensor is summed as an fp32 copy (twice the
   // bytes on the wire, one rounding at the end).
@@ -149,7 +149,7 @@ class MpiComm final : public Comm {
     const bool half = h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf;
     return half ? h.to(at::kFloat) : h;
   }
-  // Copies the result into the original when MPI worked on a staged copy.
+  // Copies the result into the original when MPI worked on a copy (an fp32 sum of 16-bit floats).
   static void back(const at::Tensor& staged, const at::Tensor& t) {
     if (!staged.is_same(t)) t.copy_(staged);
   }
@@ -194,7 +194,7 @@ class MpiComm final : public Comm {
 }  // namespace
 
 std::unique_ptr<Comm> make_mpi_comm(const RankInfo& ranks, const CommOptions& options) {
-  return std::make_unique<MpiComm>(ranks, options);
+  return staged(std::make_unique<MpiComm>(ranks, options));
 }
 
 }  // namespace lockstep

@@ -1,6 +1,6 @@
 // NCCL process groups through LibTorch c10d's ProcessGroupNCCL, one GPU per rank (the
-// collectives themselves: comm_c10d.cpp, which stages CPU tensors such as the per-step stats
-// through the GPU, since NCCL moves device memory only). Built with LOCKSTEP_CUDA only: the one
+// collectives themselves: c10d.cpp; staged.cpp brings CPU tensors such as the per-step stats
+// to the GPU, since NCCL moves device memory only). Built with LOCKSTEP_CUDA only: the one
 // file that includes ProcessGroupNCCL (and nccl.h through it, the nccl.h of the nvidia-nccl
 // wheel that torch links).
 #include <c10/cuda/CUDAGuard.h>
