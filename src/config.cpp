@@ -4,6 +4,7 @@
 #include "lockstep/config.h"
 
 #include <fmt/core.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <array>
@@ -792,9 +793,30 @@ void validate_device_decision(const Config& c) {
         blocker));
 }
 
+// No silent input: a file named for training or validation is read, or the run is refused
+// naming both keys (a path with synthetic data, or held-out files with validation off, would
+// train on something else with a healthy-looking loss).
+void validate_inputs(const Config& c) {
+  const auto paths = [](const std::vector<std::string>& v) {
+    return fmt::format("\"{}\"", fmt::join(v, ", "));
+  };
+  if (!c.data.path.empty() && c.data.source == DataSource::kSynthetic)
+    throw ConfigError(fmt::format(
+        "invalid value for 'data.path': {} but data.source = \"synthetic\" reads no file; set "
+        "data.source = \"file\" to train on it (or drop data.path)",
+        paths(c.data.path)));
+  if (!c.validation.dataset_path.empty() && !c.validation.enable)
+    throw ConfigError(fmt::format(
+        "invalid value for 'validation.dataset_path': {} but validation.enable = false reads "
+        "nothing; set validation.enable = true to validate on it (or drop "
+        "validation.dataset_path)",
+        paths(c.validation.dataset_path)));
+}
+
 void validate_cross(const Config& c) {
   loss_scale_setting(c.training);
   validate_device_decision(c);
+  validate_inputs(c);
   if (c.model.dim % c.model.n_heads != 0)
     throw ConfigError(fmt::format(
         "invalid value for 'model.n_heads': {} does not divide model.dim = {}; choose n_heads "

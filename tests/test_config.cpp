@@ -98,7 +98,8 @@ path = "/data/tokens.bin"
 TEST(Config, ListsFromFileAndCommandLine) {
   Config c = load_config("[data]\nsource = \"file\"\npath = [\"a.bin\", \"s/*.bin\"]\n", "t");
   EXPECT_EQ(c.data.path, (std::vector<std::string>{"a.bin", "s/*.bin"}));
-  c = load_config("", "t", lockstep::parse_overrides({"--data.path", "x.bin,y.bin"}));
+  c = load_config("", "t",
+                  lockstep::parse_overrides({"--data.source", "file", "--data.path", "x.bin,y.bin"}));
   EXPECT_EQ(c.data.path, (std::vector<std::string>{"x.bin", "y.bin"}));
   const std::string toml = lockstep::to_toml(c);
   EXPECT_NE(toml.find("path = [ 'x.bin', 'y.bin' ]"), std::string::npos) << toml;
@@ -256,6 +257,34 @@ TEST(Config, JsonHasEverySectionAndKey) {
   EXPECT_GT(keys, 60);
   EXPECT_EQ(j["parallelism"]["mode"], "ddp");  // choices as their names
   EXPECT_EQ(j["fault"]["random_kinds"], "nan_grad, inf_grad, nan_loss, spike");
+}
+
+// No silent input: a training file with synthetic data, or held-out files with validation off,
+// is refused naming both keys and the fix (the run would train on something else with a
+// healthy-looking loss); torchtitan's alias is refused the same way.
+TEST(Config, ANamedFileIsReadOrTheRunIsRefused) {
+  const auto refusal = [](const std::vector<std::string>& args) {
+    try {
+      load_config("", "t", lockstep::parse_overrides(args));
+    } catch (const lockstep::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  for (const char* key : {"--data.path", "--training.dataset_path"}) {
+    const std::string m = refusal({key, "my.bin"});
+    EXPECT_NE(m.find("'data.path': \"my.bin\" but data.source = \"synthetic\" reads no file"),
+              std::string::npos)
+        << key << ": " << m;
+    EXPECT_NE(m.find("set data.source = \"file\""), std::string::npos) << m;
+  }
+  EXPECT_EQ(refusal({"--data.source", "file", "--data.path", "my.bin"}), "accepted");
+  const std::string v = refusal({"--validation.dataset_path", "val_*.bin"});
+  EXPECT_NE(v.find("'validation.dataset_path': \"val_*.bin\" but validation.enable = false"),
+            std::string::npos)
+      << v;
+  EXPECT_EQ(refusal({"--validation.enable", "true", "--validation.dataset_path", "val.bin"}),
+            "accepted");
 }
 
 // torchtitan's spellings are read as lockstep's keys, each with a note naming the lockstep key;
