@@ -80,11 +80,13 @@ void attach_file(const std::string& path) {
     if (sink != s.kept) sinks.push_back(sink);
   sinks.push_back(file);
   s.kept.reset();
+  // Every line a person reads (info and above: the progress lines among them) reaches the
+  // rank's file at once: `tail -f` shows it, and a crash loses nothing logged before it.
   s.file_logger = std::make_shared<spdlog::logger>("lockstep-file", file);
-  s.file_logger->flush_on(spdlog::level::warn);
+  s.file_logger->flush_on(spdlog::level::info);
   auto lg = std::make_shared<spdlog::logger>("lockstep", sinks.begin(), sinks.end());
   lg->set_level(s.logger->level());
-  lg->flush_on(spdlog::level::warn);
+  lg->flush_on(spdlog::level::info);
   s.logger = lg;
 }
 

@@ -235,6 +235,34 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
   EXPECT_NE(finish.out.find("step    120/120"), std::string::npos) << finish.out;
 }
 
+// A person watching a run with `tail -f logs/rank0.log` sees each progress line as it is
+// printed, not when a warning or the end flushes the file (issue 25: after 150 steps the file
+// held 2 lines). The run is SIGKILLed: nothing flushes at exit.
+TEST(Cli, TheRankLogShowsEachProgressLineAtOnce) {
+  lockstep::test::TempDir dir;
+  const std::string run = dir / "run";
+  const pid_t pid = spawn_shell("exec " + std::string(LOCKSTEP_BIN) + " train --job.dump_folder " +
+                                run +
+                                " --training.steps 100000 --metrics.log_freq 20 "
+                                "--checkpoint.enable false >/dev/null 2>&1");
+  const auto count = [](const std::string& path, const char* what) {
+    const std::string text = lockstep::test::read_text(path);
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  // metrics.jsonl is written a record per progress line, flushed each time: once it holds three,
+  // the log must show three progress lines too (a few hundred bytes: no buffer fills up).
+  for (int i = 0; i < 3000 && count(run + "/metrics.jsonl", "\"clip_coef\"") < 3; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_GE(count(run + "/metrics.jsonl", "\"clip_coef\""), 3u) << "the run did not get going";
+  EXPECT_GE(count(run + "/logs/rank0.log", "info step "), 3u)
+      << lockstep::test::read_text(run + "/logs/rank0.log");
+}
+
 // ---- lockstep-run: torchrun's worker contract --------------------------------------------
 
 namespace {
