@@ -431,6 +431,14 @@ struct DecideState {
   int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
 
+// A decision enters the last fraction_window (1 = skipped), its skip count kept with it.
+LOCKSTEP_HD inline void recent_push(DecideState& s, bool skipped) {
+  if (s.recent.capacity == 0) return;
+  if (s.recent.size == s.recent.capacity) s.recent_skips -= ring_at(s.recent, 0) != 0 ? 1 : 0;
+  ring_push(s.recent, skipped ? 1.0 : 0.0);
+  s.recent_skips += skipped ? 1 : 0;
+}
+
 // The doubles a DecideState's rings take: both global windows, the recent decisions, then each
 // rank's two windows (4 meta doubles and 2 windows per rank) and the scratch.
 inline int64_t decide_state_doubles(int64_t window, int64_t fraction_window, int world) {
@@ -654,11 +662,7 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
                                                         : r.grad_norm);
     ring_push(s.losses, loss);
   }
-  if (s.recent.capacity > 0) {
-    if (s.recent.size == s.recent.capacity) s.recent_skips -= ring_at(s.recent, 0) != 0 ? 1 : 0;
-    ring_push(s.recent, skipped ? 1.0 : 0.0);
-    s.recent_skips += skipped ? 1 : 0;
-  }
+  recent_push(s, skipped);
   loss_scale_record(s.scale, c.loss_scale, false, !skipped);
 }
 

@@ -80,10 +80,8 @@ HostDecideState HostDecideState::resized(int w) const {
 // ---- SkipDetector -------------------------------------------------------------------------------
 
 SkipDetector::SkipDetector(const SkipConfig& skip, const TrainingConfig& training, int world)
-    : skip_(skip),
-      config_(decide_config(skip, training)),
-      scaling_(loss_scale_setting(training)),
-      state_(skip.window, skip.fraction_window, world, scaling_.value) {}
+    : config_(decide_config(skip, training)),
+      state_(skip.window, skip.fraction_window, world, loss_scale_setting(training).value) {}
 
 HostDecideState SkipDetector::state_for(int world) const {
   return state_.world == world ? state_ : state_.resized(world);
@@ -198,7 +196,7 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   v.hardware_suspects = triage.hardware_suspects;
   // Only a step to explain needs the names: each rank against its own windows, the scope.
   if (r.reasons == 0 && triage.culprits.empty() && v.decision == Decision::kStep) return v;
-  const LocalFindings f = local_findings(ranks);
+  const LocalFindings f = findings(ranks, st);
   v.rank_grad_norm_z = f.grad_norm_z;
   v.rank_loss_z = f.loss_z;
   attribute(v, ranks, f, triage);
@@ -274,7 +272,8 @@ void SkipDetector::load_state(const nlohmann::json& j) {
   const nlohmann::json rank_gn = j.value("rank_grad_norms", nlohmann::json::array());
   const nlohmann::json rank_ls = j.value("rank_losses", nlohmann::json::array());
   const int world = static_cast<int>(rank_ls.size());
-  HostDecideState st(skip_.window, skip_.fraction_window, world, state_.s.scale.scale);
+  HostDecideState st(state_.s.grad_norms.capacity, state_.s.recent.capacity, world,
+                     state_.s.scale.scale);
   st.s.scale = state_.s.scale;
   push_all(st.s.grad_norms, j.at("grad_norms"));
   push_all(st.s.losses, j.at("losses"));
@@ -285,14 +284,7 @@ void SkipDetector::load_state(const nlohmann::json& j) {
       kernels::rank_ring_push(st.s.ranks, r, 1, v.get<double>());
   }
   st.s.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
-  for (char c : j.at("recent").get<std::string>()) {
-    const bool skipped = c == '1';
-    kernels::Ring& recent = st.s.recent;
-    if (recent.capacity == 0) break;
-    if (recent.size == recent.capacity) st.s.recent_skips -= kernels::ring_at(recent, 0) != 0;
-    kernels::ring_push(recent, skipped ? 1.0 : 0.0);
-    st.s.recent_skips += skipped ? 1 : 0;
-  }
+  for (char c : j.at("recent").get<std::string>()) kernels::recent_push(st.s, c == '1');
   state_ = st;
 }
 
@@ -306,7 +298,7 @@ nlohmann::json SkipDetector::loss_scale_state() const {
 void SkipDetector::load_loss_scale(const nlohmann::json& j) {
   if (j.empty()) return;
   kernels::LossScaleState& s = state_.s.scale;
-  if (scaling_.mode == LossScaleMode::kDynamic) s.scale = j.at("scale").get<double>();
+  if (config_.loss_scale.dynamic) s.scale = j.at("scale").get<double>();
   s.growth_tracker = j.at("growth_tracker").get<int64_t>();
   s.consecutive_overflows = j.at("consecutive_overflows").get<int64_t>();
 }

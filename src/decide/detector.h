@@ -117,9 +117,10 @@ class SkipDetector {
                  const Triage& triage) const;
   std::string guard_message(const kernels::DecideResult& r, const HostDecideState& st) const;
 
-  SkipConfig skip_;
+  // local_findings against `st`, the state for the table's world size.
+  LocalFindings findings(const std::vector<RankStats>& ranks, const HostDecideState& st) const;
+
   kernels::DecideConfig config_;
-  LossScaleSetting scaling_;
   HostDecideState state_;
 };
 

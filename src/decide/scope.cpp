@@ -9,7 +9,6 @@
 //           quarantined; skip.on_global_spike says clip (default), skip or abort. A nonfinite
 //           gradient cannot be clipped: it is skipped whatever the scope.
 #include <algorithm>
-#include <optional>
 
 #include "decide/detector.h"
 #include "kernels/decision.h"
@@ -51,10 +50,15 @@ bool LocalFindings::local(size_t world) const {
 }
 
 LocalFindings SkipDetector::local_findings(const std::vector<RankStats>& ranks) const {
+  const int world = static_cast<int>(ranks.size());
+  if (state_.world == world) return findings(ranks, state_);
+  return findings(ranks, state_for(world));
+}
+
+LocalFindings SkipDetector::findings(const std::vector<RankStats>& ranks,
+                                     const HostDecideState& st) const {
   LocalFindings f;
   const int world = static_cast<int>(ranks.size());
-  std::optional<HostDecideState> other;
-  const HostDecideState& st = state_.world == world ? state_ : other.emplace(state_for(world));
   for (int r = 0; r < world; ++r) {
     const kernels::Ring g = kernels::rank_ring(st.s.ranks, r, 0);
     const kernels::Ring l = kernels::rank_ring(st.s.ranks, r, 1);

@@ -13,19 +13,55 @@
 namespace lockstep {
 namespace {
 
-// The kinds by name, in the order random faults draw from.
-constexpr FaultKind kKinds[] = {
-    FaultKind::kNanGrad,       FaultKind::kInfGrad,       FaultKind::kNanLoss,
-    FaultKind::kSpike,         FaultKind::kCrash,         FaultKind::kDesync,
-    FaultKind::kOverflow,      FaultKind::kTransientNan,  FaultKind::kTransientFlip,
-    FaultKind::kStickyNan,     FaultKind::kStickyFlip,    FaultKind::kSilentFlip,
-    FaultKind::kExcluded};
+// Every kind once: its name and what it does, in the order random faults draw from.
+struct KindInfo {
+  FaultKind kind;
+  const char* name;
+  const char* meaning;
+};
+constexpr KindInfo kKinds[] = {
+    {FaultKind::kNanGrad, "nan_grad",
+     "the loss back-propagated is multiplied by NaN (the logged loss stays finite)"},
+    {FaultKind::kInfGrad, "inf_grad",
+     "the loss back-propagated is multiplied by +inf"},
+    {FaultKind::kNanLoss, "nan_loss",
+     "one sample's loss is NaN"},
+    {FaultKind::kSpike, "spike",
+     "the loss and its gradient are multiplied by fault.spike_factor"},
+    {FaultKind::kCrash, "crash",
+     "the rank SIGKILLs itself, on the first attempt only (a machine failure)"},
+    {FaultKind::kDesync, "desync",
+     "the rank's weights are perturbed after the update (a silent divergence)"},
+    {FaultKind::kOverflow, "overflow",
+     "the loss back-propagated is multiplied by 2^24: fp16 gradients overflow"},
+    {FaultKind::kTransientNan, "transient_nan",
+     "hardware: one gradient element NaN, on the step's first computation only"},
+    {FaultKind::kTransientFlip, "transient_flip",
+     "hardware: the top exponent bit of the last gradient tensor's largest element flips (a "
+     "finite spike), first computation only"},
+    {FaultKind::kStickyNan, "sticky_nan",
+     "hardware: as transient_nan, on every computation of the step on that rank (a bad device)"},
+    {FaultKind::kStickyFlip, "sticky_flip",
+     "hardware: as transient_flip, on every computation of the step on that rank"},
+    {FaultKind::kSilentFlip, "silent_flip",
+     "hardware: the lowest mantissa bit flips; no norm test sees it, the probe "
+     "(diagnostics.replay_every) does"},
+    {FaultKind::kExcluded, "excluded",
+     "test reference: this rank's loss x 0, the others' x W / (W - k): the run a salvage must "
+     "equal"},
+};
+
+const KindInfo* info_of(FaultKind kind) {
+  for (const KindInfo& k : kKinds)
+    if (k.kind == kind) return &k;
+  return nullptr;
+}
 
 FaultKind parse_kind(const std::string& text, const std::string& key) {
   std::vector<std::string> names;
-  for (FaultKind k : kKinds) {
-    if (text == fault_name(k)) return k;
-    names.emplace_back(fault_name(k));
+  for (const KindInfo& k : kKinds) {
+    if (text == k.name) return k.kind;
+    names.emplace_back(k.name);
   }
   const std::string hint = nearest(text, names);
   throw ConfigError(fmt::format(
@@ -36,65 +72,19 @@ FaultKind parse_kind(const std::string& text, const std::string& key) {
 }  // namespace
 
 const char* fault_name(FaultKind kind) {
-  switch (kind) {
-    case FaultKind::kNone: return "";
-    case FaultKind::kNanGrad: return "nan_grad";
-    case FaultKind::kInfGrad: return "inf_grad";
-    case FaultKind::kNanLoss: return "nan_loss";
-    case FaultKind::kSpike: return "spike";
-    case FaultKind::kCrash: return "crash";
-    case FaultKind::kDesync: return "desync";
-    case FaultKind::kOverflow: return "overflow";
-    case FaultKind::kTransientNan: return "transient_nan";
-    case FaultKind::kTransientFlip: return "transient_flip";
-    case FaultKind::kStickyNan: return "sticky_nan";
-    case FaultKind::kStickyFlip: return "sticky_flip";
-    case FaultKind::kSilentFlip: return "silent_flip";
-    case FaultKind::kExcluded: return "excluded";
-  }
-  return "?";
+  if (kind == FaultKind::kNone) return "";
+  const KindInfo* k = info_of(kind);
+  return k ? k->name : "?";
 }
 
 const char* fault_meaning(FaultKind kind) {
-  switch (kind) {
-    case FaultKind::kNone: return "";
-    case FaultKind::kNanGrad:
-      return "the loss back-propagated is multiplied by NaN (the logged loss stays finite)";
-    case FaultKind::kInfGrad: return "the loss back-propagated is multiplied by +inf";
-    case FaultKind::kNanLoss: return "one sample's loss is NaN";
-    case FaultKind::kSpike: return "the loss and its gradient are multiplied by fault.spike_factor";
-    case FaultKind::kCrash:
-      return "the rank SIGKILLs itself, on the first attempt only (a machine failure)";
-    case FaultKind::kDesync:
-      return "the rank's weights are perturbed after the update (a silent divergence)";
-    case FaultKind::kOverflow:
-      return "the loss back-propagated is multiplied by 2^24: fp16 gradients overflow";
-    case FaultKind::kTransientNan:
-      return "hardware: one gradient element NaN, on the step's first computation only";
-    case FaultKind::kTransientFlip:
-      return "hardware: the top exponent bit of the last gradient tensor's largest element flips "
-             "(a finite spike), first computation only";
-    case FaultKind::kStickyNan:
-      return "hardware: as transient_nan, on every computation of the step on that rank (a bad "
-             "device)";
-    case FaultKind::kStickyFlip:
-      return "hardware: as transient_flip, on every computation of the step on that rank";
-    case FaultKind::kSilentFlip:
-      return "hardware: the lowest mantissa bit flips; no norm test sees it, the probe "
-             "(diagnostics.replay_every) does";
-    case FaultKind::kExcluded:
-      return "test reference: this rank's loss x 0, the others' x W / (W - k): the run a salvage "
-             "must equal";
-  }
-  return "?";
+  const KindInfo* k = info_of(kind);
+  return k ? k->meaning : "";
 }
 
 std::string fault_kinds_markdown() {
   std::string out = "| fault kind | what it does |\n| --- | --- |\n";
-  for (int k = static_cast<int>(FaultKind::kNanGrad); k <= static_cast<int>(FaultKind::kExcluded);
-       ++k)
-    out += fmt::format("| `{}` | {} |\n", fault_name(static_cast<FaultKind>(k)),
-                       fault_meaning(static_cast<FaultKind>(k)));
+  for (const KindInfo& k : kKinds) out += fmt::format("| `{}` | {} |\n", k.name, k.meaning);
   return out;
 }
 
