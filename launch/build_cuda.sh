@@ -34,6 +34,14 @@ export LOCKSTEP_TORCH="$torch_dir"
 export LOCKSTEP_BUILD_DIR="${LOCKSTEP_CUDA_BUILD_DIR:-$root/build-cuda}"
 export LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc -DCUDA_TOOLKIT_ROOT_DIR=$cuda_root -DCUDAToolkit_ROOT=$cuda_root ${LOCKSTEP_CUDA_CMAKE_ARGS:-}"
 "$root/launch/setup.sh"
+# The PyTorch package with its CUDA kernels, against the same torch (compiled, not run here).
+if [[ -n "${venv:-}" ]]; then
+  log="$LOCKSTEP_BUILD_DIR/python-package.log"
+  CUDA_HOME="$cuda_root" "$root/launch/build_python.sh" "$venv/bin/python" \
+    "$LOCKSTEP_BUILD_DIR/python" >"$log" 2>&1 \
+    || { tail -30 "$log" >&2; die "building the CUDA PyTorch package failed (log: $log)"; }
+  echo "lockstep build_cuda: PyTorch package built ($(ls "$LOCKSTEP_BUILD_DIR"/python/lib/lockstep/_C*.so))"
+fi
 "$LOCKSTEP_BUILD_DIR/bin/lockstep" version
 # The gpu-labelled tests run on a GPU machine (launch/gpu_check.sh); here they must skip cleanly.
 (cd "$LOCKSTEP_BUILD_DIR" && ctest -L gpu --output-on-failure)

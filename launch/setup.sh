@@ -99,3 +99,11 @@ if [[ ! -f "$LOCKSTEP_BUILD_DIR/build.ninja" || "$(cat "$LOCKSTEP_BUILD_DIR/.loc
 fi
 cmake --build "$LOCKSTEP_BUILD_DIR" ${LOCKSTEP_BUILD_TARGETS:+--target $LOCKSTEP_BUILD_TARGETS} \
   || die "build failed"
+
+# The PyTorch package (lockstep.torch, setup.py) against .venv's torch, in place: ctest runs its
+# tests with PYTHONPATH=python. (A LibTorch folder given by LOCKSTEP_TORCH has no Python.)
+if [[ -z "${LOCKSTEP_TORCH:-}" ]]; then
+  log="$LOCKSTEP_BUILD_DIR/python-package.log"
+  "$LOCKSTEP_ROOT/launch/build_python.sh" "$LOCKSTEP_ROOT/.venv/bin/python" >"$log" 2>&1 \
+    || { tail -30 "$log" >&2; die "building the PyTorch package failed (log: $log)"; }
+fi

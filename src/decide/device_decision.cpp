@@ -12,7 +12,6 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "comm/comm.h"
 #include "decide/exchange.h"
 #include "lockstep/error.h"
 
@@ -21,28 +20,6 @@
 #endif
 
 namespace lockstep {
-
-bool decides_on_device(const Config& c, c10::Device device, int local_ranks) {
-  switch (c.skip.device_decision) {
-    case DeviceDecisionMode::kOn: return true;
-    case DeviceDecisionMode::kOff: return false;
-    case DeviceDecisionMode::kAuto: break;
-  }
-  return device.is_cuda() && device_decision_blocker(c).empty() &&
-         decides_on_host_because(c, device, local_ranks).empty();
-}
-
-std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks) {
-  if (!device.is_cuda()) return "";
-  // Gloo and MPI read the table on the host anyway (three blocking copies a step on a GPU);
-  // the for-loop AdamW reads found_inf with .item() per parameter.
-  const Backend backend = resolve_backend(c.parallelism.backend, device, local_ranks);
-  if (backend == Backend::kGloo || backend == Backend::kMpi)
-    return fmt::format("parallelism.backend = \"{}\" exchanges on the host", name_of(backend));
-  if (c.optimizer.implementation == AdamWImpl::kForLoop)
-    return "optimizer.implementation = \"for-loop\" reads each skip on the host";
-  return "";
-}
 
 // One step's result on the device and its copy on the host (pinned on a GPU).
 struct DeviceDecision::Slot {

@@ -1,6 +1,7 @@
 #include "diag/explain.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>

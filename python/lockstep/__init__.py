@@ -1,0 +1,1 @@
+"""lockstep for PyTorch trainers: `lockstep.torch.SkipGuard` (see docs/pytorch.md)."""

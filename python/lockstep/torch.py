@@ -1,0 +1,373 @@
+"""lockstep's agreed, explained skip for PyTorch training loops (DDP, FSDP2, one process).
+
+    guard = lockstep.torch.SkipGuard(optimizer, model=model, run_dir="runs/a")
+    loss.backward()
+    verdict = guard.step(loss)          # instead of clip_grad_norm_ + optimizer.step()
+
+Everything that checks or decides is lockstep's C++ (lockstep._C, built from the harness's own
+kernels/ and src/): the fused one-pass check, the decision core, the counters, the events. This
+file gathers the gradients, exchanges one 64-byte row per rank over the process group and
+applies the verdict to the optimizer. docs/pytorch.md says what each part does and costs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+log = logging.getLogger("lockstep")
+
+ConfigError = _C.ConfigError
+
+# The sections of a lockstep config the guard reads; the others belong to the harness's trainer
+# (a full lockstep TOML file is accepted, its other sections unused).
+GUARD_KEYS = ("skip.", "diagnostics.", "lr_scheduler.on_skip", "training.max_norm")
+SECTIONS = ("job", "model", "training", "optimizer", "lr_scheduler", "checkpoint", "metrics",
+            "data", "validation", "parallelism", "comm", "skip", "diagnostics", "fault")
+# What needs the harness's own step (the batch, a replay, a peer's recomputation).
+HARNESS_ONLY = {
+    ("skip", "scope"): "step",
+    ("skip", "replay"): "off",
+    ("diagnostics", "replay_every"): 0,
+    ("training", "loss_scale"): "none",
+}
+
+
+class StepAborted(RuntimeError):
+    """Every rank raises this at the same step: the agreed decision is to stop (a guard fired,
+    skip.enabled is false and a gradient is nonfinite, or on_global_spike = "abort"). Parameters
+    and optimizer state are those of the last update; save nothing newer than your last
+    checkpoint, fix the cause (the message and `lockstep diag RUN_DIR` name it), and resume."""
+
+
+def _text(key, value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"invalid value for '{key}': {value!r}; expected a bool, number or string")
+
+
+def _key_of_keyword(name):
+    """skip_grad_norm_zscore -> skip.grad_norm_zscore; lr_scheduler_on_skip -> lr_scheduler.on_skip"""
+    for section in sorted(SECTIONS, key=len, reverse=True):
+        if name.startswith(section + "_"):
+            return f"{section}.{name[len(section) + 1:]}"
+    raise ConfigError(f"unknown option '{name}'; keyword options are lockstep keys with the first "
+                      f"'.' written '_', e.g. skip_enabled=True for skip.enabled")
+
+
+def _flatten(config, prefix=""):
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _flatten(value, name + ".")
+        else:
+            yield name, value
+
+
+def _overrides(config, overrides):
+    """The (key, text) pairs lockstep's config reader applies; only keys the guard reads."""
+    pairs = list(_flatten(config)) if isinstance(config, dict) else []
+    pairs += [(_key_of_keyword(k), v) for k, v in overrides.items()]
+    for key, _ in pairs:
+        if "." in key and not key.startswith(GUARD_KEYS):
+            raise ConfigError(f"'{key}' is your trainer's setting, not the guard's; the guard "
+                              f"reads {', '.join(k.rstrip('.') + ('*' if k.endswith('.') else '') for k in GUARD_KEYS)}")
+    return [(k, _text(k, v)) for k, v in pairs]
+
+
+def _grad_parts(params):
+    """The gradients to check and whether they are shards: FSDP2's DTensor gradients are each
+    rank's own Shard(0) pieces; plain tensors are whole (DDP: the same on every rank)."""
+    grads = [p.grad for p in params]
+    dtensor = [hasattr(g, "_local_tensor") for g in grads]
+    if any(dtensor) and not all(dtensor):
+        raise ValueError("the optimizer holds both DTensor and plain gradients; the guard checks "
+                         "FSDP2's sharded gradients or plain ones, not a mix")
+    if not any(dtensor):
+        return grads, False
+    for p, g in zip(params, grads):
+        if not all(pl.is_shard() for pl in g.placements):
+            raise ValueError(f"a gradient of placements {g.placements} (not FSDP2's Shard): the "
+                             "guard checks each rank's shard once; replicated DTensor dimensions "
+                             "(HSDP, tensor parallel) are not supported yet")
+    return [g._local_tensor for g in grads], True
+
+
+@dataclass
+class _Pending:  # a device-decided step whose verdict the host reads a step later
+    step: int
+    mine: object
+    samples: tuple | None
+    lr: float
+    tokens: int
+
+
+class SkipGuard:
+    """The agreed step, skip, clip or abort for a PyTorch optimizer.
+
+    optimizer: any torch.optim optimizer (its parameters: plain tensors, or FSDP2's DTensors).
+    config: a lockstep TOML file, or a dict of lockstep keys ({"skip": {"enabled": True}} or
+        {"skip.enabled": True}); keyword overrides use '_' for the first '.' (skip_enabled=True).
+        The guard reads skip.*, training.max_norm (the clip, as clip_grad_norm_),
+        lr_scheduler.on_skip and diagnostics.*.
+    process_group: the ranks that decide together (default: the world; none: one process).
+    run_dir: events go to run_dir/diagnostics/rank<R>.jsonl (`lockstep diag run_dir` reads them).
+    model: names the parameters in events (named_parameters); ddp: a DistributedDataParallel
+        whose comm hook checks each rank's own gradient before the all-reduce (culprit ranks).
+    scheduler: stepped as lr_scheduler.on_skip says ("advance": every step, "hold": updates).
+    """
+
+    def __init__(self, optimizer, config=None, process_group=None, run_dir=None, *, model=None,
+                 ddp=None, scheduler=None, **overrides):
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.group = process_group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if distributed else 0
+        self.world = dist.get_world_size(process_group) if distributed else 1
+        self.run_dir = os.fspath(run_dir) if run_dir is not None else ""
+        text, origin = "", "<guard>"
+        if isinstance(config, (str, os.PathLike)):
+            origin = os.fspath(config)
+            with open(origin, encoding="utf-8") as f:
+                text = f.read()
+        elif config is not None and not isinstance(config, dict):
+            raise ConfigError(f"config: {type(config).__name__}; expected a TOML file path or a dict")
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
+        if self.run_dir:
+            os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.core = _C.Core(text, origin, _overrides(config, overrides), self.rank, self.world,
+                            self.names, self.run_dir, socket.gethostname(), str(device))
+        self.config = json.loads(self.core.config_json())
+        self._refuse_harness_only()
+        self.on_device = self._decides_on_device()
+        self._step = 0
+        self._checks = {}
+        self._local_parts = []
+        self._pending = None
+        self.last_verdict = None
+        if ddp is not None:
+            self.attach_ddp(ddp)
+
+    # ---- settings --------------------------------------------------------------------------
+    def _refuse_harness_only(self):
+        for (section, key), fine in HARNESS_ONLY.items():
+            value = self.config[section][key]
+            if value != fine:
+                raise ConfigError(f"invalid value for '{section}.{key}': {value!r} needs lockstep's "
+                                  f"own trainer (lockstep train); the guard takes {fine!r}")
+
+    def _decides_on_device(self):
+        """skip.device_decision: "auto" decides on the device with a fused Adam/AdamW (found_inf
+        and grad_scale, no host read) and lr_scheduler.on_skip = "advance"."""
+        mode = self.config["skip"]["device_decision"]
+        fused = bool(self.optimizer.defaults.get("fused")) and hasattr(self.optimizer, "_step_supports_amp_scaling")
+        advance = self.config["lr_scheduler"]["on_skip"] == "advance"
+        if mode == "on" and not (fused and advance):
+            raise ConfigError("invalid value for 'skip.device_decision': \"on\" needs a fused "
+                              "optimizer (torch.optim.AdamW(..., fused=True)) and "
+                              "lr_scheduler.on_skip = \"advance\"; set it to \"auto\" or \"off\"")
+        return mode != "off" and fused and advance
+
+    # ---- DDP: each rank's own gradient, before the all-reduce ---------------------------------
+    def attach_ddp(self, ddp, process_group=None):
+        """Registers a comm hook on `ddp` that checks this rank's own gradient bucket by bucket
+        before the default all-reduce (the mean), so events name the rank whose own gradient
+        was bad. Replaces DDP's default hook with the same all-reduce."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        index = {id(p): i for i, p in enumerate(self.params)}
+
+        def hook(state, bucket):
+            params = bucket.parameters()
+            names = [self.names[index[id(p)]] if id(p) in index else "?" for p in params]
+            slots = [index.get(id(p), -1) for p in params]
+            check = self._checks.setdefault(("bucket", bucket.index(), tuple(slots)),
+                                            _C.Check(names))
+            self._local_parts.append((slots, check.run(bucket.gradients())))
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(process_group, hook)
+
+    def _local_stats(self):
+        """This rank's own gradient's stats from the DDP hook's buckets (None without a hook)."""
+        if not self._local_parts:
+            return None
+        head = _C.STATS_HEADER
+        out = torch.zeros(head + 2 * len(self.params), dtype=torch.float64,
+                          device=self._local_parts[0][1].device)
+        for slots, stats in self._local_parts:
+            out[:head] += stats[:head]
+            for j, slot in enumerate(slots):
+                if slot >= 0:
+                    out[head + 2 * slot: head + 2 * slot + 2] = stats[head + 2 * j: head + 2 * j + 2]
+        self._local_parts = []
+        return out
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _shard_stats(self, params):
+        """Check [B]: the gradient this rank owns. Shards (FSDP2) whole; whole gradients (DDP,
+        one process) in W parts of their concatenation, part `rank` here."""
+        grads, sharded = _grad_parts(params)
+        names = [self.names[self._index[id(p)]] for p in params]
+        if sharded or self.world == 1:
+            offset, length = 0, -1
+        else:
+            total = sum(g.numel() for g in grads)
+            offset = total * self.rank // self.world
+            length = total * (self.rank + 1) // self.world - offset
+        key = ("shard", tuple(names), offset, length)
+        check = self._checks.setdefault(key, _C.Check(names, offset, length))
+        return check.run(grads), grads
+
+    def _row(self, shard, local, loss, stop, sample_losses):
+        """This rank's 64-byte row, in the field order of lockstep's stats table."""
+        dev = shard.device
+        zero = torch.zeros(1, dtype=torch.float64, device=dev)
+        if sample_losses is None:
+            bad = zero
+        else:
+            bad = (~torch.isfinite(torch.as_tensor(sample_losses, dtype=torch.float64,
+                                                   device=dev))).sum().reshape(1).double()
+        own = local if local is not None else torch.zeros(2, dtype=torch.float64, device=dev)
+        field = {"shard_nonfinite": shard[0:1], "shard_sumsq": shard[1:2],
+                 "local_nonfinite": own[0:1].to(dev), "local_sumsq": own[1:2].to(dev),
+                 "loss": loss.detach().reshape(1).to(dev, torch.float64),
+                 "stop_requested": zero + (1.0 if stop else 0.0),
+                 "overflow_runs": shard[2:3], "bad_samples": bad}
+        return torch.cat([field[name] for name in _C.STATS_FIELDS])
+
+    def _exchange(self, row):
+        if self.world == 1:
+            return row.reshape(1, -1)
+        table = torch.empty(self.world * row.numel(), dtype=row.dtype, device=row.device)
+        dist.all_gather_into_tensor(table, row, group=self.group)
+        return table.reshape(self.world, -1)
+
+    def _samples(self, v, sample_ids, sample_losses):
+        """Every rank's sample ids and losses, exchanged on anomalous steps only (every rank
+        knows the step is anomalous: the verdict is agreed)."""
+        table = _C.SampleTable()
+        if not v.anomalous or sample_ids is None:
+            return table
+        mine = (list(map(int, sample_ids)), list(map(float, sample_losses)))
+        every = [mine]
+        if self.world > 1:
+            every = [None] * self.world
+            dist.all_gather_object(every, mine, group=self.group)
+        table.ids = [ids for ids, _ in every]
+        table.losses = [losses for _, losses in every]
+        return table
+
+    @torch.no_grad()
+    def step(self, loss, *, sample_ids=None, sample_losses=None, tokens=0, stop=False):
+        """After backward(), instead of clip_grad_norm_ + optimizer.step(): checks this rank's
+        gradients, exchanges one row per rank, decides, and steps, clips or skips. Returns the
+        verdict (decision, reasons, grad_norm, clip, culprit_ranks, ...); on the device path the
+        verdict of the previous step (None at the first), read a step late. Raises StepAborted
+        on every rank when the agreed decision is to stop. `loss`: this rank's mean loss;
+        `sample_ids`/`sample_losses`: this rank's samples and their own losses (events name
+        the suspects); `stop`: this rank asks all to stop (the verdict's `stop` is agreed)."""
+        self._step += 1
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        params = [p for p in self.params if p.grad is not None]
+        shard, grads = self._shard_stats(params)
+        local = self._local_stats()
+        table = self._exchange(self._row(shard, local, loss, stop, sample_losses))
+        mine = _C.LocalStep()
+        mine.local_stats, mine.shard_stats = local, shard
+        mine.sample_ids = list(map(int, sample_ids)) if sample_ids is not None else []
+        mine.sample_losses = list(map(float, sample_losses)) if sample_losses is not None else []
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self.on_device:
+            return self._step_on_device(table, mine, loss, lr, tokens, sample_ids, sample_losses)
+        v = self.core.decide(table)
+        if v.updates:
+            if v.clip < 1.0:
+                torch._foreach_mul_(grads, v.clip)
+            self.optimizer.step()
+        self._advance_scheduler(v.updates)
+        mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
+        self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
+        return v
+
+    def _step_on_device(self, table, mine, loss, lr, tokens, sample_ids, sample_losses):
+        found_inf, grad_scale = self.core.decide_on_device(table, self._step)
+        self.optimizer.found_inf, self.optimizer.grad_scale = found_inf, grad_scale
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf, self.optimizer.grad_scale
+        self._advance_scheduler(True)
+        previous, self._pending = self._pending, _Pending(
+            self._step, mine, (sample_ids, sample_losses), lr, tokens)
+        return self._finish_pending(previous)
+
+    def _finish_pending(self, p):
+        if p is None:
+            return None
+        v, table = self.core.read_device(p.step)
+        p.mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
+        self._finish(v, table, p.mine, self._samples(v, *p.samples), p.lr, p.tokens)
+        return v
+
+    def flush(self):
+        """Finishes the device-decided step still pending (its counters, its event; raises
+        StepAborted if it was an abort). state_dict() and close() call it."""
+        p, self._pending = self._pending, None
+        return self._finish_pending(p)
+
+    close = flush
+
+    def _advance_scheduler(self, updated):
+        if self.scheduler is not None and (updated or self.config["lr_scheduler"]["on_skip"] == "advance"):
+            self.scheduler.step()
+
+    def _finish(self, v, table, mine, samples, lr, tokens):
+        message = self.core.finish(v, table, mine, samples, lr, tokens)
+        self.last_verdict = v
+        if message:
+            # Every rank writes its own event; the line is the same on all: rank 0 says it.
+            log.log(logging.WARNING if self.rank == 0 else logging.DEBUG, message)
+        if v.decision == "abort":
+            raise StepAborted(message)
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self):
+        """The detector's windows, the guards, the loss scale and the counters (a JSON string:
+        torch.save and torch.distributed.checkpoint store it as it is)."""
+        self.flush()
+        return {"lockstep": self.core.state(), "step": self._step}
+
+    def load_state_dict(self, state):
+        self._pending = None
+        self.core.load_state(state["lockstep"])
+        self._step = int(state["step"])
+
+    @property
+    def counters(self):
+        """The run's counters as lockstep's metrics name them (step, optimizer_steps,
+        skipped_steps, clipped_steps, ...), plus consecutive_skips and loss_scale."""
+        return self.core.counters()
+
+    def __getattr__(self, name):  # guard.skipped_steps, guard.clipped_steps, ...
+        if name.startswith("_") or name in ("core",):
+            raise AttributeError(name)
+        counters = self.core.counters()
+        if name in counters:
+            return counters[name]
+        raise AttributeError(f"'SkipGuard' has no attribute '{name}'")

@@ -1,0 +1,233 @@
+"""lockstep.torch.SkipGuard on several ranks (torchrun, Gloo): a small Llama in PyTorch, trained
+with DDP or FSDP2, with faults on rank 1 at known steps. Checked on every rank: the same
+decision at the same step, skips leave parameters and optimizer state bitwise unchanged, the
+culprit rank is named (events, `lockstep diag`), a resume from the guard's state_dict
+reproduces the rest of the run, and the device path (fused AdamW, found_inf) decides as the
+host path.
+
+    torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
+Scenarios: ddp, fsdp, resume, device. Exit 0 and "ok" on success.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "launch"))
+from peer_torch import Llama  # noqa: E402
+
+import lockstep.torch as lt  # noqa: E402
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+# Small windows for a short run, so thresholds well above the noise of random-token losses.
+SKIP = {"skip": {"enabled": True, "window": 32, "min_history": 6, "loss_zscore": 12,
+                 "grad_norm_zscore": 12}}
+# step -> (kind, rank): faults on rank 1
+FAULTS = {8: "nan_grad", 12: "nan_loss", 16: "spike"}
+
+
+def model():
+    torch.manual_seed(0)
+    return Llama(VOCAB, 32, 2, 4, 2, SEQ, 10000.0, 16)
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:], list(range(1000 * step + 10 * rank,
+                                                     1000 * step + 10 * rank + BATCH))
+
+
+def forward_backward(m, step, rank, first_param, faults):
+    x, y, ids = batch(step, rank)
+    logits = m(x)
+    per_sample = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), y.reshape(-1), reduction="none").view(BATCH, SEQ).mean(1)
+    kind = faults.get(step) if rank == 1 else None
+    handle = None
+    if kind == "nan_loss":  # one poisoned sample of rank 1's batch (the third)
+        per_sample = per_sample * torch.tensor([1.0, 1.0, float("nan"), 1.0])
+    loss = per_sample.mean()
+    if kind == "spike":
+        loss = loss * 1000.0
+    elif kind == "nan_grad":  # rank 1's own gradient of one tensor, before any collective
+        handle = first_param.register_hook(lambda g: g * float("nan"))
+    elif kind == "nan_activation_grad":  # every gradient of rank 1, its loss finite
+        handle = logits.register_hook(lambda g: g * float("nan"))
+    loss.backward()
+    if handle is not None:
+        handle.remove()
+    return loss, ids, per_sample.detach().tolist()
+
+
+def snapshot(m, opt):
+    def local(t):
+        return (t._local_tensor if hasattr(t, "_local_tensor") else t).detach().clone()
+    params = [local(p) for p in m.parameters()]
+    state = [local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return params + state
+
+
+def bitwise_equal(a, b):
+    def raw(t):
+        return t.reshape(-1).view(torch.uint8)
+    return len(a) == len(b) and all(torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
+
+
+def train(m, opt, guard, steps, rank, first, faults=FAULTS, start=1):
+    decisions = []
+    for step in range(start, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss, ids, losses = forward_backward(m, step, rank, first, faults)
+        before = snapshot(m, opt)
+        v = guard.step(loss, sample_ids=ids, sample_losses=losses, tokens=BATCH * SEQ)
+        if v is not None:
+            decisions.append((v.decision, list(v.reasons), list(v.culprit_ranks),
+                              torch.tensor(v.grad_norm, dtype=torch.float64).view(torch.int64).item()))
+            if v.decision == "skip" and not guard.on_device:
+                assert bitwise_equal(before, snapshot(m, opt)), f"step {step}: a skip changed state"
+    last = guard.flush()
+    if last is not None:
+        decisions.append((last.decision, list(last.reasons), list(last.culprit_ranks),
+                          torch.tensor(last.grad_norm, dtype=torch.float64).view(torch.int64).item()))
+    return decisions
+
+
+def agreed(decisions):
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, decisions)
+    assert all(d == every[0] for d in every), f"ranks decided differently: {every}"
+
+
+def expect_faults_skipped(decisions, start=1):
+    for i, (decision, reasons, culprits, _) in enumerate(decisions):
+        step = start + i
+        if step in FAULTS:
+            assert decision == "skip" and culprits == [1], f"step {step}: {decision} {reasons} {culprits}"
+        else:
+            assert decision == "step", f"step {step}: {decision} {reasons}"
+
+
+def diag_names_rank_1(run_dir, events):
+    binary = os.environ.get("LOCKSTEP_BIN")
+    if dist.get_rank() != 0 or not binary:
+        return
+    out = subprocess.run([binary, "diag", "--json", run_dir], check=True, capture_output=True,
+                         text=True).stdout
+    summary = json.loads(out)
+    per_rank = {r["rank"]: r["culprit_in"] for r in summary["per_rank"]}
+    assert summary["skips"] == events and per_rank.get(1) == events and per_rank.get(0) == 0, \
+        (summary["skips"], per_rank)
+    assert summary["quarantine"] == [12 * 1000 + 10 + 2], summary["quarantine"]  # the poisoned one
+
+
+def ddp(run_dir):
+    rank = dist.get_rank()
+    m = model()
+    wrapped = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, ddp=wrapped)
+    decisions = train(wrapped, opt, guard, 20, rank, next(m.parameters()))
+    agreed(decisions)
+    expect_faults_skipped(decisions)
+    assert guard.skipped_steps == 3 and guard.optimizer_steps == 17, guard.counters
+    diag_names_rank_1(run_dir, 3)
+
+
+def fsdp(run_dir):
+    from torch.distributed.fsdp import fully_shard
+    rank = dist.get_rank()
+    m = model()
+    for block in m.layers:
+        fully_shard(block)
+    fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m)
+    faults = {8: "nan_loss", 12: "spike", 16: "nan_activation_grad"}
+    decisions = train(m, opt, guard, 20, rank, next(m.parameters()), faults)
+    agreed(decisions)
+    for i, (decision, reasons, culprits, _) in enumerate(decisions):
+        step = i + 1
+        if step in (8, 12):  # named by rank 1's own loss
+            assert decision == "skip" and culprits == [1], (step, decision, reasons, culprits)
+        elif step == 16:  # a gradient after the reduce-scatter names no rank: skipped, unnamed
+            assert decision == "skip" and "nonfinite_grad" in reasons, (step, decision, reasons)
+        else:
+            assert decision == "step", (step, decision, reasons)
+
+
+def resume(run_dir):
+    """State saved with torch.distributed.checkpoint at step 10 (mid-window, after a skip);
+    a fresh model, optimizer and guard loaded from it run steps 11-20 as the first run did."""
+    import torch.distributed.checkpoint as dcp
+    rank = dist.get_rank()
+
+    def fresh():
+        m = model()
+        wrapped = torch.nn.parallel.DistributedDataParallel(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return m, wrapped, opt, lt.SkipGuard(opt, SKIP, model=m, ddp=wrapped)
+
+    m, wrapped, opt, guard = fresh()
+    first = train(wrapped, opt, guard, 10, rank, next(m.parameters()))
+    dcp.save({"model": m.state_dict(), "optim": opt.state_dict(), "guard": guard.state_dict()},
+             checkpoint_id=os.path.join(run_dir, "ckpt"))
+    rest = train(wrapped, opt, guard, 20, rank, next(m.parameters()), start=11)
+    end = snapshot(m, opt)
+
+    m2, wrapped2, opt2, guard2 = fresh()
+    train(wrapped2, opt2, guard2, 1, rank, next(m2.parameters()))  # creates the optimizer state
+    state = {"model": m2.state_dict(), "optim": opt2.state_dict(), "guard": guard2.state_dict()}
+    dcp.load(state, checkpoint_id=os.path.join(run_dir, "ckpt"))
+    m2.load_state_dict(state["model"])
+    opt2.load_state_dict(state["optim"])
+    guard2.load_state_dict(state["guard"])
+    assert guard2.counters["step"] == 10 and guard2.skipped_steps == 1, guard2.counters
+    again = train(wrapped2, opt2, guard2, 20, rank, next(m2.parameters()), start=11)
+    assert again == rest, f"resumed decisions differ:\n{again}\n{rest}"
+    assert bitwise_equal(end, snapshot(m2, opt2)), "the resumed run ended elsewhere"
+    expect_faults_skipped(first + rest)
+
+
+def device(run_dir):
+    """Fused AdamW: the device path (found_inf, grad_scale; read a step late) and the host path
+    take the same decisions and end at the same bits (no clip: grad_scale is 1)."""
+    rank = dist.get_rank()
+    ends, runs = [], []
+    for mode in ("off", "auto"):
+        m = model()
+        wrapped = torch.nn.parallel.DistributedDataParallel(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        guard = lt.SkipGuard(opt, SKIP, model=m, ddp=wrapped, training_max_norm=0.0,
+                             skip_device_decision=mode)
+        assert guard.on_device == (mode == "auto")
+        runs.append(train(wrapped, opt, guard, 20, rank, next(m.parameters())))
+        ends.append(snapshot(m, opt))
+    agreed(runs[1])
+    assert runs[0] == runs[1], f"host and device decided differently:\n{runs[0]}\n{runs[1]}"
+    expect_faults_skipped(runs[1])
+    assert bitwise_equal(ends[0], ends[1]), "host and device paths ended at different bits"
+
+
+def main():
+    scenario, run_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    if dist.get_rank() == 0:  # events append (a resumed run continues its files): start clean
+        shutil.rmtree(run_dir, ignore_errors=True)
+    dist.barrier()
+    try:
+        {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device}[scenario](run_dir)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"{scenario}: ok")
+
+
+if __name__ == "__main__":
+    main()
