@@ -14,6 +14,9 @@
 #                       host_waits, which also sees the event wait sync-debug cannot)
 #   peer         180    the PyTorch peer on the same GPT and Llama shapes, eager and torch.compile
 #                       (launch/peer_torch.py), against lockstep: tokens/s and the ratios
+#   pytorch      100    the PyTorch package built against this torch (CUDA kernels for sm_90), the
+#                       guarded step vs clip_grad_norm_ + optimizer.step() (launch/bench_guard.py):
+#                       ms/step ratios, host syncs of a clean guarded step
 #   tests         90    every `gpu` test, each in its own process (an empty list fails)
 #   sanitize      50    compute-sanitizer memcheck and racecheck on the kernel tests
 #   older        rest   measured in earlier leases: ncu of the check kernel, its benchmark, MFU
@@ -185,6 +188,22 @@ for m in gpt llama; do
   log "peer $m bf16: lockstep ${l:-nan} tok/s, PyTorch eager $e, torch.compile $c; lockstep/eager $(python3 -c "print(round($l / $e, 3))" 2>/dev/null || echo nan), lockstep/compile $(python3 -c "print(round($l / $c, 3))" 2>/dev/null || echo nan)"
   unset -n ours theirs
 done
+
+# --- pytorch: the PyTorch package (lockstep.torch) built against this machine's torch, on a GPU --
+stage pytorch 100
+pkg="$out/pytorch-package"
+if CPATH="${prefix_path:+$prefix_path/include}" TORCH_CUDA_ARCH_LIST=9.0 CUDA_HOME="$cuda_root" \
+    capped 70 "$root/launch/build_python.sh" python3 "$pkg" >"$out/pytorch-build.log" 2>&1; then
+  # The guarded step vs clip_grad_norm_ + optimizer.step() (foreach: host-decided; fused:
+  # device-decided) on one GPU, bf16-sized Llama in fp32, and its host syncs (sync debug mode).
+  PYTHONPATH="$pkg/lib" capped 60 python3 "$root/launch/bench_guard.py" --device cuda \
+    --dim 1024 --layers 8 --heads 16 --kv-heads 8 --vocab 32768 --seq 1024 --batch 8 \
+    --steps 15 --warmup 3 >"$out/bench_guard.txt" 2>&1 || status=1
+  log "pytorch guard: $(grep -E 'decision|model' "$out/bench_guard.txt" | tr '\n' ' ')"
+else
+  status=1
+  log "pytorch package build FAILED (pytorch-build.log): $(grep -m3 -E 'error' "$out/pytorch-build.log" | tr '\n' ' ')"
+fi
 
 # --- tests: every gpu test in its own process (as ctest runs them), three at a time -------------
 stage tests 90

@@ -110,7 +110,12 @@ class Core {
   // run_dir/diagnostics/rank<R>.jsonl), the windows. Returns the step's one-line message
   // ("" for a clean step).
   std::string finish(const Verdict& v, const at::Tensor& table, const LocalStep& mine,
-                     const SampleTable& samples, double lr, int64_t tokens) {
+                     SampleTable samples, double lr, int64_t tokens) {
+    if (samples.ids.size() != static_cast<size_t>(world_) ||
+        samples.losses.size() != static_cast<size_t>(world_)) {  // none passed: every rank empty
+      samples.ids.assign(static_cast<size_t>(world_), {});
+      samples.losses.assign(static_cast<size_t>(world_), {});
+    }
     count(counters_, v, tokens, counters_.data_position);
     std::string message;
     if (v.anomalous()) {

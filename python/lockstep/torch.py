@@ -23,6 +23,8 @@ import torch.distributed as dist
 from . import _C
 
 log = logging.getLogger("lockstep")
+# torch 2.13 renamed all_gather_into_tensor (one flat collective) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 ConfigError = _C.ConfigError
 
@@ -255,7 +257,7 @@ class SkipGuard:
         if self.world == 1:
             return row.reshape(1, -1)
         table = torch.empty(self.world * row.numel(), dtype=row.dtype, device=row.device)
-        dist.all_gather_into_tensor(table, row, group=self.group)
+        _all_gather_single(table, row, group=self.group)
         return table.reshape(self.world, -1)
 
     def _samples(self, v, sample_ids, sample_losses):

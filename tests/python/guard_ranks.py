@@ -146,10 +146,14 @@ def fsdp(run_dir):
         fully_shard(block)
     fully_shard(m)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m)
+    # lr_scheduler.on_skip = "hold": the schedule moves with the updates, not the steps.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (1 + n))
+    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, scheduler=sched,
+                         lr_scheduler_on_skip="hold")
     faults = {8: "nan_loss", 12: "spike", 16: "nan_activation_grad"}
     decisions = train(m, opt, guard, 20, rank, next(m.parameters()), faults)
     agreed(decisions)
+    assert sched.last_epoch == guard.optimizer_steps == 17, (sched.last_epoch, guard.counters)
     for i, (decision, reasons, culprits, _) in enumerate(decisions):
         step = i + 1
         if step in (8, 12):  # named by rank 1's own loss
