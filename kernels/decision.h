@@ -38,7 +38,7 @@ enum StatsField : int {
   kLocalNonfinite = 2,
   kLocalSumsq = 3,
   kLoss = 4,
-  kStopRequested = 5,
+  kStopRequested = 5,  // 1: stop after this step; 2: a stop cut this rank's step short
   kOverflowRuns = 6,
   kBadSamples = 7,
   kStatsDoubles = 8
@@ -105,6 +105,7 @@ struct Global {
   double grad_norm = 0;  // of the gradient as synced (still times the loss scale)
   double loss = 0;       // the mean over the contributing ranks; NaN when none contributes
   bool stop = false, loss_nonfinite = false;
+  bool interrupted = false;  // some rank's step was cut short by a stop: its gradient is partial
 };
 
 // Every rank adds the same numbers in the same order (rank order). `stat(i, f)`: field f of
@@ -119,6 +120,7 @@ LOCKSTEP_HD Global reduce_in_rank_order(const Stat& stat, int world, const Dropp
     sumsq += stat(i, kShardSumsq);
     g.overflow_runs += stat(i, kOverflowRuns);
     g.stop = g.stop || stat(i, kStopRequested) != 0;
+    g.interrupted = g.interrupted || stat(i, kStopRequested) >= 2;
     if (dropped(i)) continue;
     const double loss = stat(i, kLoss);
     loss_sum += loss;
@@ -504,7 +506,8 @@ enum AbortWhy : int32_t {
   kSkipDisabled = 20,
   kStickyAbort = 21,
   kGlobalSpikeAbort = 22,
-  kHardwareFaultAbort = 23
+  kHardwareFaultAbort = 23,
+  kInterrupted = 24  // not an abort: a skip of a step a stop cut short (the run then stops)
 };
 
 // What the host reads a step later (pinned); found_inf and grad_scale go to the fused AdamW
@@ -520,6 +523,7 @@ struct DecideResult {
   int32_t clipped;    // taken, clipped: a global spike with skip.on_global_spike = "clip"
   int32_t salvaged;   // taken without the dropped ranks' contributions
   int32_t stop;       // a rank asked all to stop
+  int32_t interrupted;  // a rank's step was cut short by a stop: nothing of it lands
   int64_t skips_in_window;  // for the max_fraction guard's message
 };
 
@@ -587,6 +591,7 @@ LOCKSTEP_HD inline void score_numbers(const double* table, int world, const Deci
   out.grad_norm = canonical(s.scale.scale != 1.0 ? g.grad_norm / s.scale.scale : g.grad_norm);
   out.loss = g.loss;
   out.stop = g.stop ? 1 : 0;
+  out.interrupted = g.interrupted ? 1 : 0;
   out.nonfinite = g.nonfinite;
   out.overflow_runs = g.overflow_runs;
   out.clip = 1.0;
@@ -609,6 +614,12 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
                                    const DecideConfig& c, const Settled& settled,
                                    DecideResult& out) {
   score_numbers(table, world, s, c, settled, out);
+  if (out.interrupted) {  // a partial gradient: not an update, not a skip to count
+    out.outcome = kSkipStep;
+    out.why = kInterrupted;
+    out.overflow = out.salvaged = 0;
+    return;
+  }
   if (out.overflow) {  // the loss scale, not the data: skipped, backed off, its own guards
     const ScaleGuard sg = scale_guard(s.scale, c.loss_scale, c.loss_scale_max_overflows,
                                       c.loss_scale_min);
@@ -637,11 +648,12 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
 }
 
 // The decided step's effect on the global state: an abort sets the sticky flag and changes
-// nothing else; an overflow backs the loss scale off; a skip counts toward the guards; a taken
-// step (clipped: bounded to the windows' limits) enters the windows.
+// nothing else (so does an interrupted step: the run stops, no later update may land); an
+// overflow backs the loss scale off; a skip counts toward the guards; a taken step (clipped:
+// bounded to the windows' limits) enters the windows.
 LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
                                     const DecideResult& r) {
-  if (r.outcome == kAbortRun) {
+  if (r.outcome == kAbortRun || r.interrupted) {
     s.aborted = 1;
     return;
   }

@@ -11,6 +11,7 @@ guard decides on the device: found_inf, grad_scale).
 On a GPU (--device cuda) it also counts host syncs of the guarded step (CUDA's sync debug mode).
 """
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -142,6 +143,8 @@ def main():
         for line in out:
             print(line)
     if dist.is_initialized():
+        del runs, plain, guarded
+        gc.collect()  # DDP modules go before the process group (Gloo may abort the exit)
         dist.destroy_process_group()
 
 

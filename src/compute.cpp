@@ -5,6 +5,7 @@
 #include <ATen/ops/empty_like.h>
 
 #include "data/batch.h"
+#include "runtime.h"
 #include "splitmix.h"
 
 namespace lockstep {
@@ -23,6 +24,12 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   std::vector<at::Tensor> samples;  // on the device: no host sync on a clean step
   at::Tensor loss_sum;              // fp64, in micro-batch order
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
+    // A stop signal ends this rank's own batch after the micro-batch in flight (the ranks agree
+    // on it in the step's exchange: nothing of the step lands, the run stops before it).
+    if (micro > 0 && index == 0 && StopSignals::received() != 0) {
+      out.interrupted = true;
+      break;
+    }
     const std::vector<int64_t> mids(ids.begin() + micro * per_micro,
                                     ids.begin() + (micro + 1) * per_micro);
     if (job.config.model.dropout > 0)  // the same masks wherever this batch is recomputed
@@ -51,7 +58,7 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
     samples.push_back(per_sample.detach());
   }
   job.faults->on_gradients(job.dp->grads());
-  out.loss_t = loss_sum.div(static_cast<double>(micro_batches));
+  out.loss_t = loss_sum.div(static_cast<double>(micro_batches));  // partial when interrupted
   out.sample_losses_t = at::cat(samples).to(at::kDouble);
   out.losses_read = false;
   out.sample_ids = ids;

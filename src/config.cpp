@@ -232,6 +232,9 @@ void training_fields(std::vector<Field>& t) {
                         "a node"));
   t.push_back(bool_field("training", "allow_tf32", &C::training, &T::allow_tf32,
                          "CUDA: TF32 tensor cores for fp32 matrix products and convolutions"));
+  t.push_back(bool_field("training", "check_memory", &C::training, &T::check_memory,
+                         "refuse to start (exit 2) when the memory plan (state, activations) "
+                         "exceeds the memory available; false: start anyway"));
 }
 
 void precision_fields(std::vector<Field>& t) {

@@ -47,16 +47,18 @@ void open_data(Job& j) {
   const DataConfig& d = j.config.data;
   const TrainingConfig& t = j.config.training;
   j.source = open_training_data(j.config);
-  for (const std::string& w : j.source->warnings()) log::warn("{}", w);
+  for (const std::string& w : j.source->warnings()) log::warn_shared("{}", w);
   j.sampler = std::make_unique<Sampler>(
       *j.source, SamplerOptions{t.seq_len, t.local_batch_size, j.ranks.rank, j.ranks.world_size,
                                 static_cast<uint64_t>(t.seed)});
   j.validator = make_validator(j.config, j.ranks, j.device);
+  std::vector<int64_t> excluded;
   if (!d.exclude_ids_file.empty()) {
-    auto excluded = read_id_file(d.exclude_ids_file);
+    excluded = read_id_file(d.exclude_ids_file);
     j.sampler->set_excluded(excluded, d.exclude_ids_file);
     log::info("data: {} sample ids excluded by {}", excluded.size(), d.exclude_ids_file);
   }
+  j.fingerprint = job_fingerprint(j.config, *j.source, excluded);
 }
 
 // The model, data parallelism over its parameters (with the optimizer), and the checks:
@@ -125,9 +127,11 @@ void log_setup(const Job& j) {
               "weights and moments; loss scale {}",
               name_of(t.mixed_precision_param), name_of(t.mixed_precision_reduce), t.loss_scale);
   if (t.mixed_precision_param == Precision::kFloat16 && !j.detector->loss_scaling())
-    log::warn("training.mixed_precision_param = \"float16\" with training.loss_scale = \"none\": "
-              "small gradients underflow to zero in fp16; set training.loss_scale = \"dynamic\"");
-  if (!j.faults->empty()) log::warn("fault injection is on ([fault]): this run is a test or demo");
+    log::warn_shared("training.mixed_precision_param = \"float16\" with training.loss_scale = "
+                     "\"none\": small gradients underflow to zero in fp16; set "
+                     "training.loss_scale = \"dynamic\"");
+  if (!j.faults->empty())
+    log::warn_shared("fault injection is on ([fault]): this run is a test or demo");
 }
 
 }  // namespace
@@ -153,6 +157,15 @@ std::unique_ptr<Job> build_job(const Config& config) {
                 j.run_dir, j.lock->previous_holder());
   }
   connect_ranks(j);
+  if (j.comm) {  // before any collective whose size the config sets
+    const auto start = Clock::now();
+    agree_on_job(j.fingerprint, j.comm.get());
+    log::info("the {} ranks run the same job (fingerprint {} of {} keys, agreed in {:.1f} ms)",
+              j.ranks.world_size, j.fingerprint.digest(), j.fingerprint.items.size(),
+              seconds_since(start) * 1e3);
+  }
+  // Before anything is allocated (the ranks run the same job: they all refuse alike).
+  check_memory_plan(c, j.ranks.world_size, j.ranks.local_world_size, j.device);
   set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
   if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
@@ -196,7 +209,10 @@ void load(Job& j, int64_t step) {
   const nlohmann::json meta = j.checkpointer->meta(step);
   for (const auto& w : check_resume(meta.at("config"), meta.at("world_size").get<int64_t>(),
                                     j.config, j.ranks.world_size))
-    log::warn("{}", w);
+    log::warn_shared("{}", w);
+  for (const auto& w : check_same_data(meta.value("fingerprint", nlohmann::json::object()),
+                                       j.fingerprint, j.config.checkpoint.allow_data_change))
+    log::warn_shared("{}", w);
   const auto start = Clock::now();
   j.state = j.checkpointer->load(step, j.model->parameters(), j.config_json,
                                  [&](CheckpointReader& r) { j.dp->load(r); });
@@ -204,9 +220,9 @@ void load(Job& j, int64_t step) {
   j.sampler->set_position(j.state.data_position);
   if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
   if (j.config.skip.reset_guards_on_resume && j.detector->consecutive_skips() > 0) {
-    log::warn("skip.reset_guards_on_resume: the skip guards count from 0 again ({} skips in a "
-              "row before)",
-              j.detector->consecutive_skips());
+    log::warn_shared("skip.reset_guards_on_resume: the skip guards count from 0 again ({} skips "
+                     "in a row before)",
+                     j.detector->consecutive_skips());
     j.detector->reset_guards();
   }
   j.detector->load_loss_scale(j.state.loss_scale);
@@ -216,9 +232,9 @@ void load(Job& j, int64_t step) {
   log::info("resumed from {} (step {}, data position {}; read in {:.1f} s)",
             j.checkpointer->dir_of(step), j.state.step, j.state.data_position, secs);
   if (!newer.empty())
-    log::warn("rewinding to step {}: the newer checkpoints (steps {}) will be replaced as the run "
-              "passes them",
-              step, fmt::join(newer, ", "));
+    log::warn_shared("rewinding to step {}: the newer checkpoints (steps {}) will be replaced as "
+                     "the run passes them",
+                     step, fmt::join(newer, ", "));
   if (j.lead)
     JsonlWriter(j.run_dir + "/metrics.jsonl")
         .write({{"event", newer.empty() ? "resume" : "rewind"},
@@ -237,6 +253,7 @@ void resume(Job& j) {
   else
     start_fresh(j);
   j.state.world_size = j.ranks.world_size;
+  j.state.fingerprint = j.fingerprint.to_json();
   log::info("lockstep: model {}, {} parameters, device {}, {} threads, data: {}",
             name_of(j.config.model.name), with_commas(j.model->num_parameters()), j.device.str(),
             at::get_num_threads(), j.source->describe());

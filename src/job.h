@@ -21,6 +21,7 @@
 #include "diag/explain.h"
 #include "diag/injector.h"
 #include "eval/validation.h"
+#include "fingerprint.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
 #include "model/model.h"
@@ -59,6 +60,7 @@ struct Job {
   double peak_flops = 0;                     // one device's, for MFU; 0 = unknown
   LRScheduleOptions schedule;
   nlohmann::json config_json;  // the resolved config, as checkpoints store it
+  Fingerprint fingerprint;     // what every rank must share (agreed at start; meta.json)
   TrainState state;            // counters; what a checkpoint restores
   int64_t tokens_per_step = 0; // global
 };

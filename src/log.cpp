@@ -18,6 +18,7 @@ struct State {
   std::shared_ptr<spdlog::logger> file_logger;  // the file sink alone, or null
   std::shared_ptr<spdlog::sinks::ringbuffer_sink_mt> kept;  // until attach_file
   std::string file_pattern;
+  int rank = 0;
 };
 
 State& state() {
@@ -45,6 +46,7 @@ spdlog::level::level_enum to_spd(Level l) {
 
 void init(int rank, ConsoleOptions console) {
   State& s = state();
+  s.rank = rank;
   auto out = std::make_shared<spdlog::sinks::stdout_color_sink_mt>(
       console.color ? spdlog::color_mode::automatic : spdlog::color_mode::never);
   out->set_level(to_spd(console.level));
@@ -91,6 +93,10 @@ void attach_file(const std::string& path) {
 }
 
 void write(Level level, std::string_view message) { state().logger->log(to_spd(level), message); }
+
+void write_shared(std::string_view message) {
+  write(state().rank == 0 ? Level::kWarn : Level::kInfo, message);
+}
 
 void write_file_only(Level level, std::string_view message) {
   if (state().file_logger) state().file_logger->log(to_spd(level), message);

@@ -26,6 +26,9 @@ void init(int rank, ConsoleOptions console = {});
 // on every line.
 void attach_file(const std::string& path);
 void write(Level level, std::string_view message);
+// A warning every rank raises alike (from the same config, data, checkpoint or verdict): rank 0
+// prints it, every rank's log file keeps it (the others' as info), so a console shows it once.
+void write_shared(std::string_view message);
 // To the per-rank file only (the error that ends a run: the console gets it from main).
 void write_file_only(Level level, std::string_view message);
 void flush();
@@ -37,6 +40,10 @@ void info(fmt::format_string<A...> f, A&&... a) {
 template <typename... A>
 void warn(fmt::format_string<A...> f, A&&... a) {
   write(Level::kWarn, fmt::format(f, std::forward<A>(a)...));
+}
+template <typename... A>
+void warn_shared(fmt::format_string<A...> f, A&&... a) {
+  write_shared(fmt::format(f, std::forward<A>(a)...));
 }
 template <typename... A>
 void error(fmt::format_string<A...> f, A&&... a) {

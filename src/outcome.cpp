@@ -18,7 +18,7 @@ Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<R
   const Event e = job.explainer->event(after, s, v, table, samples, *job.detector, lr);
   job.events->write(to_json(e));
   if (v.decision != Decision::kAbort)
-    log::write(job.lead ? log::Level::kWarn : log::Level::kInfo, skip_message(e));
+    log::write_shared(skip_message(e));
   return e;
 }
 
@@ -42,9 +42,12 @@ void abort_run(Job& job, const Event& e, const Verdict& v) {
                           "resume",
                           sig == SIGINT ? "SIGINT" : "SIGTERM", job.state.step,
                           job.config.training.steps,
-                          job.config.checkpoint.enable
-                              ? "; checkpoint saved in " + job.checkpointer->dir_of(job.state.step)
-                              : " (checkpoint.enable = false: nothing saved)"));
+                          !job.config.checkpoint.enable
+                              ? " (checkpoint.enable = false: nothing saved)"
+                          : job.state.step == 0
+                              ? " (no step completed: nothing saved)"
+                              : "; checkpoint saved in " +
+                                    job.checkpointer->dir_of(job.state.step)));
 }
 
 void verify(Job& job, int64_t& last_verified) {
@@ -66,6 +69,7 @@ void validate(Job& job, Progress& progress) {
 }
 
 void advance(Job& job, const Verdict& v, int64_t data_position) {
+  if (v.interrupted) return;  // the step did not happen: no window, guard or counter moves
   job.detector->record(v);  // windows, guards, loss scale: the same verdict, the same state
   for (int r : v.hardware_suspects) job.suspects[r].push_back(job.state.step + 1);
   count(job.state, v, job.tokens_per_step, data_position);
@@ -73,8 +77,8 @@ void advance(Job& job, const Verdict& v, int64_t data_position) {
 
 void warn_overflow(int64_t step, const Verdict& v) {
   if (v.overflow_runs > 0 && v.nonfinite == 0)
-    log::warn("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64", step,
-              v.grad_norm);
+    log::warn_shared("step {}: gradient squares overflow fp32 (grad_norm {:.4g}); summed in fp64",
+                     step, v.grad_norm);
 }
 
 AfterStep after_of(const Job& job, int64_t n) {
@@ -91,6 +95,14 @@ AfterStep after_of(const Job& job, int64_t n) {
 
 bool after_step(Job& job, Progress& progress, TrainResult& result, const StepResult& r,
                 int64_t& last_verified, bool may_stop) {
+  if (r.verdict.interrupted) {  // every rank saw it in the same table: all stop here
+    log::warn_shared("a stop signal cut step {} short: nothing of it lands; the run stops at "
+                     "step {}",
+                     job.state.step + 1, job.state.step);
+    // The last completed step's checkpoint exists when this process resumed from it or saved it.
+    const int64_t at = job.state.step;
+    stop(job, at == 0 || at == result.start_step || after_of(job, at).save);
+  }
   const AfterStep a = after_of(job, job.state.step);
   result.losses.push_back(r.verdict.loss);
   progress.step_done(job.state, r.verdict, *job.detector, r.lr, r.clip, r.costs, a.log);

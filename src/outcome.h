@@ -51,7 +51,8 @@ Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<R
 [[noreturn]] void abort_run(Job& job, const Event& e, const Verdict& v);
 
 // Every rank saw the same stop request in the same all-gather: all stop after this step
-// (saving it unless `saved`). Throws the Error that ends the run with 128 + the signal.
+// (saving it unless `saved`), or, when a stop cut the step short (Verdict::interrupted), at
+// the step before it. Throws the Error that ends the run with 128 + the signal.
 [[noreturn]] void stop(Job& job, bool saved);
 
 // Verifies the replicas (diagnostics.verify_every); a desync stops the job naming the ranks.

@@ -32,6 +32,7 @@ struct RunCounters {
 struct TrainState : RunCounters {
   nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
   nlohmann::json loss_scale = nlohmann::json::object();  // its loss_scale_state(); {} = fresh
+  nlohmann::json fingerprint = nlohmann::json::object();  // the job's (fingerprint.h); {} = none
 };
 
 // A counter's name in meta.json, metrics.jsonl and events, and whether every checkpoint holds
@@ -59,7 +60,7 @@ inline constexpr RunCounter kRunCounters[] = {
 // The decided step's effect on the counters, the only place they change: one more step, an
 // update or a skip (an fp16 overflow counted apart), a clip, a salvage and its dropped ranks,
 // the devices its replays blamed. An abort updates nothing; its event still counts what it
-// found (an overflow, dropped ranks, blamed devices).
+// found (an overflow, blamed devices). Dropped ranks count only when the step was salvaged.
 // `tokens`: the step's batch (global); `data_position`: the sampler's after it.
 void count(RunCounters& st, const Verdict& v, int64_t tokens, int64_t data_position);
 

@@ -10,10 +10,16 @@
 #include <mutex>
 #include <thread>
 
+#include <fmt/format.h>
+
+#include <fstream>
+
 #include "lockstep/error.h"
+#include "lockstep/model_size.h"
 
 #ifdef LOCKSTEP_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Backtrace.h>
 #include <c10/util/Exception.h>
 
@@ -26,6 +32,66 @@
 #endif
 
 namespace lockstep {
+namespace {
+
+// The first number in `path` (a /proc or cgroup file), or -1 (missing, or "max": no limit).
+double number_in(const std::string& path, const std::string& key = "") {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (!key.empty() && line.rfind(key, 0) != 0) continue;
+    const size_t at = line.find_first_of("0123456789");
+    if (at == std::string::npos) return -1;
+    return std::stod(line.substr(at));
+  }
+  return -1;
+}
+
+}  // namespace
+
+double host_bytes_available() {
+  double best = number_in("/proc/meminfo", "MemAvailable:");
+  if (best >= 0) best *= 1024;  // kB
+  for (const auto& [limit, usage] :
+       {std::pair{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
+        {"/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"}}) {
+    const double max = number_in(limit), used = number_in(usage);
+    if (max < 0 || used < 0 || max > 1e18) continue;  // no limit
+    best = best < 0 ? max - used : std::min(best, max - used);
+  }
+  return best;
+}
+
+void check_memory_plan(const Config& c, int world, int local_ranks, c10::Device device) {
+  if (!c.training.check_memory) return;
+  const MemoryPlan plan = memory_plan(c, world);
+  double need = plan.total(), have = host_bytes_available() / std::max(local_ranks, 1);
+  std::string where = local_ranks > 1 ? fmt::format("this node's share for each of its {} ranks",
+                                                    local_ranks)
+                                      : std::string("this node");
+#ifdef LOCKSTEP_WITH_CUDA
+  if (device.is_cuda()) {
+    size_t free = 0, total = 0;
+    const c10::cuda::CUDAGuard guard(device.index());
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) return;
+    need = plan.state + plan.activations;
+    have = static_cast<double>(free);
+    where = device_name(device) + " " + device.str();
+  }
+#else
+  (void)device;
+#endif
+  if (have < 0 || need <= have) return;
+  throw ConfigError(fmt::format(
+      "memory plan: each rank needs about {} ({} of weights, gradients and optimizer state in "
+      "{} mode on {} ranks, {} of activations at local batch {} x seq {}, {} of runtime) but {} "
+      "has {} available; use parallelism.mode = \"sharded\", fewer model.n_layers, a smaller "
+      "training.local_batch_size (raise gradient_accumulation_steps to keep the batch) or fewer "
+      "ranks per node (training.check_memory = false starts anyway)",
+      bytes_text(need), bytes_text(plan.state), name_of(c.parallelism.mode), world,
+      bytes_text(plan.activations), c.training.local_batch_size, c.training.seq_len,
+      bytes_text(plan.runtime), where, bytes_text(have)));
+}
 
 std::string device_name(c10::Device device) {
 #ifdef LOCKSTEP_WITH_CUDA

@@ -40,6 +40,17 @@ void check_sync_debug_mode();
 // "cpu", or the GPU's name ("NVIDIA H200").
 std::string device_name(c10::Device device);
 
+// Bytes this process may still allocate on the host: MemAvailable, or less under a cgroup
+// memory limit (v2 memory.max - memory.current, or v1's); a negative value when unknown.
+double host_bytes_available();
+
+// The memory plan (model_size.h) against what is available, before anything is allocated: on a
+// CPU every rank's state, activations and runtime against the host's available memory shared by
+// the node's `local_ranks`; on a GPU the state and activations against the device's free memory.
+// Over it: ConfigError (exit 2) with the numbers and the levers. training.check_memory = false
+// skips it.
+void check_memory_plan(const Config& c, int world, int local_ranks, c10::Device device);
+
 // Sets ATen's intra-op threads: `threads`, or with 0 this node's cores shared among its
 // `local_world_size` ranks. Returns the count set.
 int set_intra_op_threads(int64_t threads, int local_world_size);

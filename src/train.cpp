@@ -66,7 +66,7 @@ at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
   s.shard_stats = job.shard_check->run().clone();  // [B]; its buffer is reused next step
   s.shard_read = false;
   return rank_row(s.local_stats, s.shard_stats, s.loss_t, s.sample_losses_t,
-                  StopSignals::received() != 0);
+                  s.interrupted ? 2.0 : StopSignals::received() != 0 ? 1.0 : 0.0);
 }
 
 // Then the one small collective: every rank holds every rank's stats, in rank order (the
@@ -89,7 +89,7 @@ std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
 // event; an abort ends the run here, the last good state saved.
 void explain_step(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
                   double lr, int64_t data_position) {
-  if (!v.anomalous()) return;
+  if (!v.anomalous() || v.interrupted) return;  // an interrupted step did not happen
   read_to_host(s);
   const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
   const Event e = explain(job, s, v, table, samples, lr, data_position);

@@ -366,3 +366,23 @@ TEST(CauseRun, AHardwareFaultAbortsWithItsOwnExitCodeWhenAsked) {
       << r.out;
   EXPECT_NE(r.out.find("drain the host of rank 1"), std::string::npos) << r.out;
 }
+
+// skip.scope = "rank" on 2 ranks: dropping one rank would leave out half of them, above
+// skip.max_dropped_fraction (0.25), so the step is skipped — and the log now says why (issue
+// 25: it skipped silently), while dropped_contributions stays 0 (it grew on such skips).
+TEST(CauseRun, AScopeRankSkipSaysWhyItIsNotASalvage) {
+  test::TempDir dir;
+  const auto r = run_ranks(2, dir / "run", 5,
+                           "--checkpoint.enable true --checkpoint.interval 5 --skip.scope rank "
+                           "--fault.inject nan_loss@3:1");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("skip.scope = \"rank\": dropping rank 1 would leave out 1 of 2 ranks, "
+                       "above skip.max_dropped_fraction = 0.25: the step is skipped, not salvaged"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("step 3: SKIP"), std::string::npos) << r.out;
+  const json m = test::meta(dir / "run/checkpoint/step-5");
+  EXPECT_EQ(m["skipped_steps"], 1);
+  EXPECT_EQ(m["salvaged_steps"], 0);
+  EXPECT_EQ(m["dropped_contributions"], 0);
+}

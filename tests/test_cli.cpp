@@ -263,6 +263,44 @@ TEST(Cli, TheRankLogShowsEachProgressLineAtOnce) {
       << lockstep::test::read_text(run + "/logs/rank0.log");
 }
 
+// A warning every rank raises alike is printed once, by rank 0, and kept in every rank's log
+// (issue 25): the fault-injection notice and the skip line used to appear once per rank on the
+// console.
+TEST(Cli, AWarningAllRanksShareIsPrintedOnce) {
+  lockstep::test::TempDir dir;
+  const std::string run = dir / "run";
+  const auto r = lockstep::test::run_on_ranks(
+      2,
+      "train --job.dump_folder " + run +
+          " --training.steps 4 --checkpoint.enable false --skip.enabled true --fault.inject "
+          "nan_grad@3:1",
+      lockstep::test::Launcher::kLockstepRun);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto times = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(times(r.out, "fault injection is on"), 1u) << r.out;
+  EXPECT_EQ(times(r.out, "step 3: SKIP (nonfinite_grad)"), 1u) << r.out;
+  for (int rank : {0, 1}) {
+    const std::string log = lockstep::test::read_text(run + "/logs/rank" + std::to_string(rank) +
+                                                      ".log");
+    EXPECT_EQ(times(log, "fault injection is on"), 1u) << log;
+    EXPECT_EQ(times(log, "step 3: SKIP (nonfinite_grad)"), 1u) << log;
+  }
+}
+
+// generate refuses a temperature that is not a finite number >= 0 with exit 2 before reading
+// anything (issue 25: NaN exited 1, inf was accepted and printed noise).
+TEST(Cli, GenerateRefusesATemperatureThatIsNotFinite) {
+  for (const char* t : {"nan", "inf", "-1"}) {
+    const CliRun r = capture(std::string(LOCKSTEP_BIN) + " generate /nonexistent --temperature " + t);
+    EXPECT_EQ(r.code, 2) << t << ": " << r.out;
+    EXPECT_NE(r.out.find("expected a finite number >= 0"), std::string::npos) << r.out;
+  }
+}
+
 // ---- lockstep-run: torchrun's worker contract --------------------------------------------
 
 namespace {

@@ -285,3 +285,20 @@ TEST(TokenFile, ShardsListsAndGlobsKeepSampleIdsStable) {
   EXPECT_EQ(again, row);
   EXPECT_THROW(s.locate(9), InputError);
 }
+
+// A path that names an existing file is that file, glob characters and all (issue 25): with
+// both 'x[1].bin' and 'x1.bin' present, 'x[1].bin' used to read x1.bin. A pattern that is not
+// a file still expands.
+TEST(TokenFile, AnExistingPathIsTakenLiterallyBeforeGlobExpansion) {
+  test::TempDir dir;
+  std::vector<int64_t> literal(17, 7), other(33, 9);
+  test::write_bytes(dir / "x[1].bin", llmc_shard(literal));
+  test::write_bytes(dir / "x1.bin", llmc_shard(other));
+  auto src = open_token_files({dir / "x[1].bin"}, TokenFormat::kAuto, 256);
+  ASSERT_EQ(src->shards().size(), 1u);
+  EXPECT_EQ(src->shards()[0].tokens, 17);
+  EXPECT_NE(src->shards()[0].name.find("x[1].bin"), std::string::npos);
+  auto pattern = open_token_files({dir / "x[0-9].bin"}, TokenFormat::kAuto, 256);
+  ASSERT_EQ(pattern->shards().size(), 1u);
+  EXPECT_EQ(pattern->shards()[0].tokens, 33);
+}

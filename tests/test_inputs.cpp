@@ -150,9 +150,30 @@ TEST(Inputs, ExitCodesAndCleanOutputThroughLaunchers) {
   CliRun r = test::run_on_ranks(2, job(dir / "a", 6, nan), Launcher::kLockstepRun);
   EXPECT_EQ(r.code, 4) << r.out;
   EXPECT_EQ(r.out.find("] [rank"), std::string::npos) << "the rank twice in a line\n" << r.out;
-  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\[rank 1\] \[[0-9-]+ [0-9:.]+\] warning)")))
+  // A warning every rank shares is printed once, by rank 0 (one rank prefix, then the time).
+  EXPECT_TRUE(std::regex_search(r.out, std::regex(R"(\[rank 0\] \[[0-9-]+ [0-9:.]+\] warning)")))
+      << r.out;
+  EXPECT_FALSE(std::regex_search(r.out, std::regex(R"(\[rank 1\] \[[0-9-]+ [0-9:.]+\] warning)")))
       << r.out;
   r = test::run_on_ranks(2, job(dir / "b", 6, nan), Launcher::kMpirunGloo);
   EXPECT_EQ(r.code, 4) << r.out;
   EXPECT_EQ(r.out.find('\x1b'), std::string::npos) << "colour codes under mpirun\n" << r.out;
+}
+
+// A model that cannot fit is refused before anything is allocated (issue 25: 1,024 layers
+// allocated for 33 s until an 8 GB limit stopped them with a raw LibTorch message): exit 2,
+// the plan's numbers and the levers, and no model built (no "resident memory after setup").
+TEST(Inputs, AModelThatCannotFitIsRefusedBeforeAllocating) {
+  test::TempDir dir;
+  const CliRun r = run_within(60, "train --job.dump_folder " + dir / "run" +
+                                      " --model.dim 4096 --model.n_heads 32 --model.n_layers 1024"
+                                      " --training.steps 1");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("lockstep: error: memory plan: each rank needs about "), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("use parallelism.mode = \"sharded\", fewer model.n_layers"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("resident memory after setup"), std::string::npos) << r.out;
+  EXPECT_EQ(lines(r.out), 1) << r.out;
 }

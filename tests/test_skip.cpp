@@ -10,6 +10,7 @@
 #include "lockstep/data.h"
 #include "lockstep/error.h"
 #include "decide/detector.h"
+#include "run_state.h"
 #include "detector_util.h"
 #include "test_util.h"
 
@@ -287,4 +288,55 @@ TEST(Quarantine, IdFileReadsCommentsAndRejectsGarbage) {
     EXPECT_NE(std::string(e.what()).find("bad.txt' line 2"), std::string::npos) << e.what();
   }
   EXPECT_THROW(read_id_file(dir / "missing.txt"), InputError);
+}
+
+// The counters of a decided step (run_state.h's count): a skip or an abort drops nothing from
+// an update, so only a salvage counts its dropped ranks (issue 25: dropped_contributions grew
+// on skipped steps).
+TEST(RunCounters, OnlyASalvageCountsDroppedContributions) {
+  RunCounters c;
+  Verdict v;
+  v.dropped_ranks = {1, 3};
+  for (Decision d : {Decision::kSkip, Decision::kAbort, Decision::kSalvage}) {
+    v.decision = d;
+    count(c, v, 10, 0);
+  }
+  EXPECT_EQ(c.dropped_contributions, 2);
+  EXPECT_EQ(c.salvaged_steps, 1);
+  EXPECT_EQ(c.skipped_steps, 1);
+  EXPECT_EQ(c.step, 3);
+}
+
+// A step a stop signal cut short (a rank's stop_requested = 2: its gradient is partial) is
+// neither an update nor a skip: the core blocks it (found_inf = 1) and makes every later
+// decision block too (the run stops), the windows, guards and counters do not move, and nothing
+// is named (issue 25: bounded stop).
+TEST(SkipDetector, AStepAStopCutShortIsNeitherTakenNorCounted) {
+  SkipDetector d(test::enabled_policy(), TrainingConfig{}, 2);
+  test::warm_up(d, 40);
+  const int64_t history = d.history();
+  auto table = test::healthy(2, 50.0, 30.0);  // a spike too: the interruption comes first
+  table[1].stop_requested = 2;
+  HostDecideState st = d.state_for(2);  // the device's copy, before the host records the step
+  const Verdict v = d.decide(table);
+  EXPECT_TRUE(v.interrupted);
+  EXPECT_TRUE(v.stop);
+  EXPECT_EQ(v.decision, Decision::kSkip);
+  EXPECT_TRUE(v.reasons.empty());
+  EXPECT_TRUE(v.culprit_ranks.empty());
+  d.record(v);
+  EXPECT_EQ(d.history(), history);
+  EXPECT_EQ(d.consecutive_skips(), 0);
+  // The device's form: blocked now and at every later step.
+  kernels::DecideResult r{};
+  float found_inf = 0, grad_scale = 0;
+  kernels::decide_step(reinterpret_cast<const double*>(table.data()), 2, st.s, d.config(), r,
+                       &found_inf, &grad_scale);
+  EXPECT_EQ(r.interrupted, 1);
+  EXPECT_EQ(found_inf, 1.0f);
+  EXPECT_EQ(st.s.grad_norms.size, history);
+  const auto clean = test::healthy(2, 1.0, 3.0);
+  kernels::decide_step(reinterpret_cast<const double*>(clean.data()), 2, st.s, d.config(), r,
+                       &found_inf, &grad_scale);
+  EXPECT_EQ(found_inf, 1.0f) << "no update lands after an interrupted step";
 }

@@ -112,6 +112,7 @@ struct TrainingConfig {
   double loss_scale_min = 1;              // guard: abort when the scale would fall below this
   int64_t loss_scale_max_overflows = 20;  // guard: abort after this many overflows in a row; 0 = off
   bool allow_tf32 = true;                 // TF32 tensor cores for fp32 matrix products (CUDA)
+  bool check_memory = true;  // refuse to start when the memory plan exceeds what is available
 };
 
 struct OptimizerConfig {

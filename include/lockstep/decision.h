@@ -16,7 +16,9 @@ struct RankStats {
   double local_nonfinite = 0;  // [A] nonfinite elements in this rank's own gradient, pre-sync
   double local_sumsq = 0;      // [A] its sum of squares (0 when diagnostics.local_check is off)
   double loss = 0;             // this rank's loss (mean over its tokens; all ranks hold as many)
-  double stop_requested = 0;   // 1: this rank got SIGTERM or SIGINT and asks all to stop
+  double stop_requested = 0;   // 1: this rank got SIGTERM or SIGINT and asks all to stop after
+                               // this step; 2: the signal cut its step short (between
+                               // micro-batches): its gradient is partial
   double overflow_runs = 0;    // [B] runs whose fp32 sum of squares overflowed (summed in fp64)
   double bad_samples = 0;      // samples of this rank's batch whose loss is nonfinite
 };
@@ -55,6 +57,8 @@ struct Verdict {
   double nonfinite = 0;              // global nonfinite gradient elements
   double loss = 0;                   // global (mean over ranks)
   bool stop = false;                 // some rank asks to stop after this step (a signal)
+  bool interrupted = false;          // a stop cut some rank's step short: nothing of it lands,
+                                     // nothing is counted, the run stops at the step before
   double overflow_runs = 0;
   double grad_norm_z = 0, loss_z = 0;  // NaN while the window is too short or the test is off
   std::vector<int> culprit_ranks;      // local anomalies only: the ranks that stand out

@@ -36,8 +36,28 @@ int64_t llama_ffn_hidden(const ModelConfig& model);
 double state_bytes_per_rank(const ModelSize& size, const TrainingConfig& training,
                             ParallelMode mode, int64_t world);
 
+// Bytes of activations one rank keeps for backward at the configured micro-batch
+// (training.local_batch_size x seq_len): per token, each layer keeps about 10 x dim + 3 x the
+// feed-forward width values (Llama: 18 x dim + 4 x the width) in the compute dtype, and the
+// output 4 x vocab fp32 values — fitted to peak resident memory measured on the CPU (GPT dim
+// 128-512, 2-8 layers, seq 64-256, and torchtitan's Llama debug model: within 20 %;
+// docs/reliability.md).
+double activation_bytes_per_rank(const ModelSize& size, const Config& config);
+
+// What one rank needs, as `config check` prints it and the trainer checks before allocating.
+struct MemoryPlan {
+  double state = 0;        // weights, gradients, masters, moments, buffers (mode, world)
+  double activations = 0;  // activation_bytes_per_rank
+  double runtime = 0;      // the process itself (LibTorch, threads, buffers)
+  double total() const { return state + activations + runtime; }
+};
+MemoryPlan memory_plan(const Config& config, int64_t world);
+
+// "4.2 GiB", "512.0 MiB"
+std::string bytes_text(double bytes);
+
 // The lines `config check` prints: parameters, FLOPs per token, per-rank state in both modes
-// at a few world sizes.
+// at a few world sizes, activations.
 std::string describe_model_size(const Config& config);
 
 }  // namespace lockstep

@@ -4,6 +4,7 @@ one NaN loss injected on rank 1 at step 30 to show a skip. Run (the README's exa
     torchrun --nproc-per-node 2 python/examples/ddp_guard.py
 Then `build/bin/lockstep diag runs/ddp_guard` names the culprit rank and the poisoned sample.
 """
+import gc
 import logging
 
 import torch
@@ -55,6 +56,8 @@ def main():
         if rank == 0 and step % 10 == 0:
             logging.info(f"step {step} | loss {verdict.loss:.4f} | grad_norm {verdict.grad_norm:.4f} "
                          f"| {verdict.decision} | skipped {guard.skipped_steps}")
+    del ddp_model  # DDP must not outlive its process group: Gloo may abort the exit otherwise
+    gc.collect()
     dist.destroy_process_group()
 
 

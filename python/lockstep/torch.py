@@ -98,7 +98,7 @@ def _grad_parts(params):
                          "FSDP2's sharded gradients or plain ones, not a mix")
     if not any(dtensor):
         return grads, False
-    for p, g in zip(params, grads):
+    for g in grads:
         if not all(pl.is_shard() for pl in g.placements):
             raise ValueError(f"a gradient of placements {g.placements} (not FSDP2's Shard): the "
                              "guard checks each rank's shard once; replicated DTensor dimensions "
@@ -149,6 +149,7 @@ class SkipGuard:
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         if self.run_dir:
             os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -192,12 +193,10 @@ class SkipGuard:
         was bad. Replaces DDP's default hook with the same all-reduce."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        index = {id(p): i for i, p in enumerate(self.params)}
-
         def hook(state, bucket):
             params = bucket.parameters()
-            names = [self.names[index[id(p)]] if id(p) in index else "?" for p in params]
-            slots = [index.get(id(p), -1) for p in params]
+            slots = [self._index.get(id(p), -1) for p in params]
+            names = [self.names[i] if i >= 0 else "?" for i in slots]
             check = self._checks.setdefault(("bucket", bucket.index(), tuple(slots)),
                                             _C.Check(names))
             self._local_parts.append((slots, check.run(bucket.gradients())))
@@ -285,7 +284,6 @@ class SkipGuard:
         `sample_ids`/`sample_losses`: this rank's samples and their own losses (events name
         the suspects); `stop`: this rank asks all to stop (the verdict's `stop` is agreed)."""
         self._step += 1
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         params = [p for p in self.params if p.grad is not None]
         shard, grads = self._shard_stats(params)
         local = self._local_stats()

@@ -149,6 +149,7 @@ TrainState state_of(const json& meta) {
   read_counters(meta, s);
   s.detector = meta.at("detector");
   s.loss_scale = meta.value("loss_scale", json::object());
+  s.fingerprint = meta.value("fingerprint", json::object());
   return s;
 }
 
@@ -181,6 +182,7 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
                {"mode", mode_name(layout)},
                {"detector", state.detector},
                {"loss_scale", state.loss_scale},
+               {"fingerprint", state.fingerprint},
                {"rng", {{"cpu", rng_hex}}},
                {"config", config},
                {"checksums", checksums}});

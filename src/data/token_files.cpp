@@ -13,6 +13,7 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <utility>
 
 #include "lockstep/data.h"
@@ -37,11 +38,13 @@ bool ends_with(const std::string& s, const char* tail) {
   return s.size() >= n && s.compare(s.size() - n, n, tail) == 0;
 }
 
-// Files, with glob patterns expanded by glob(3) in sorted order.
+// Files, with glob patterns expanded by glob(3) in sorted order. A path that names an existing
+// file is that file, even when it holds glob characters ('x[1].bin' is not 'x1.bin').
 std::vector<std::string> expand(const std::vector<std::string>& paths, const std::string& key) {
   std::vector<std::string> files;
   for (const std::string& p : paths) {
-    if (!has_glob_chars(p)) {
+    std::error_code ec;
+    if (!has_glob_chars(p) || std::filesystem::exists(p, ec)) {
       files.push_back(p);
       continue;
     }

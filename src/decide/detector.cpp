@@ -117,6 +117,7 @@ kernels::DecideResult result_of(const Verdict& v) {
               : v.decision == Decision::kSkip ? kernels::kSkipStep
                                               : kernels::kTake;
   r.overflow = v.overflow ? 1 : 0;
+  r.interrupted = v.interrupted ? 1 : 0;
   r.clipped = v.decision == Decision::kClip ? 1 : 0;
   r.salvaged = v.decision == Decision::kSalvage ? 1 : 0;
   r.clip_to = v.clip_to;
@@ -172,6 +173,7 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   v.nonfinite = r.nonfinite;
   v.loss = r.loss;
   v.stop = r.stop != 0;
+  v.interrupted = r.interrupted != 0;
   v.overflow_runs = r.overflow_runs;
   v.grad_norm_z = r.grad_norm_z;
   v.loss_z = r.loss_z;
@@ -179,6 +181,7 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   v.overflow = r.overflow != 0;
   v.clip_to = r.clip_to;
   v.clip = r.clip;
+  if (v.interrupted) return v;  // nothing to name: the step did not happen
   if (v.overflow) {  // an fp16 overflow: the loss scale, not the data; no rank is blamed
     v.reasons.push_back("loss_scale_overflow");
     return v;

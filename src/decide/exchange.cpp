@@ -26,7 +26,7 @@ RankStats rank_stats(const GradCheckStats& local, const GradCheckStats& shard, d
 }
 
 at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::Tensor& loss,
-                    const at::Tensor& sample_losses, bool stop_requested) {
+                    const at::Tensor& sample_losses, double stop) {
   const auto o = shard.options();
   const at::Tensor own = local.defined() ? local.narrow(0, 0, 2) : at::zeros({2}, o);
   const at::Tensor bad = at::isfinite(sample_losses).logical_not().sum().to(at::kDouble);
@@ -34,7 +34,7 @@ at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::
   // overflow runs; bad samples (the stats buffers: nonfinite, sumsq, overflow runs, ...).
   static_assert(kRankStatsDoubles == 8, "rank_row writes the eight fields of RankStats");
   return at::cat({shard.narrow(0, 0, 2), own, loss.reshape({1}),
-                  at::full({1}, stop_requested ? 1.0 : 0.0, o), shard.narrow(0, 2, 1),
+                  at::full({1}, stop, o), shard.narrow(0, 2, 1),
                   bad.reshape({1})});
 }
 

@@ -20,8 +20,9 @@ RankStats rank_stats(const GradCheckStats& local, const GradCheckStats& shard, d
 // The same row built where the tensors live, with no host sync: the checks' stats buffers
 // (GradCheck::run(); `local` undefined when check [A] is off), the loss (0-dim) and every
 // sample's loss, all fp64 on one device. Bit for bit the numbers rank_stats gives.
+// `stop`: RankStats::stop_requested (0, 1: stop after this step, 2: the step was cut short).
 at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::Tensor& loss,
-                    const at::Tensor& sample_losses, bool stop_requested);
+                    const at::Tensor& sample_losses, double stop);
 
 // Every rank's stats, in rank order (a null comm is one rank alone): from this rank's stats on
 // the host, or from its row on the device (one all-gather, one read of the table).

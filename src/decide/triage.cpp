@@ -4,8 +4,12 @@
 #include <cmath>
 #include <cstring>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "clock.h"
 #include "decide/exchange.h"
+#include "log.h"
 
 namespace lockstep {
 namespace {
@@ -119,8 +123,17 @@ Triage Triager::before_sync(const SkipDetector& detector, const TriageInput& in,
   const bool may_drop = cfg_.scope == SkipScope::kRank &&
                         static_cast<double>(still_bad.size()) <=
                             cfg_.max_dropped_fraction * static_cast<double>(world_);
-  if (may_drop) t.dropped = still_bad;
-  else t.skip_step = true;
+  if (may_drop) {
+    t.dropped = still_bad;
+  } else {
+    t.skip_step = true;
+    if (cfg_.scope == SkipScope::kRank)  // say why this is a skip, not a salvage
+      log::warn_shared("skip.scope = \"rank\": dropping rank{} {} would leave out {} of {} "
+                       "ranks, above skip.max_dropped_fraction = {:g}: the step is skipped, not "
+                       "salvaged; raise skip.max_dropped_fraction to salvage such steps",
+                       still_bad.size() > 1 ? "s" : "", fmt::join(still_bad, ", "),
+                       still_bad.size(), world_, cfg_.max_dropped_fraction);
+  }
   return t;
 }
 

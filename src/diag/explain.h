@@ -23,6 +23,7 @@ struct RankStep {
   std::vector<int64_t> sample_ids;
   std::vector<double> sample_losses;
   FaultKind fault = FaultKind::kNone;
+  bool interrupted = false;    // a stop signal cut the micro-batches short (the gradient is partial)
   bool local_checked = false;  // check [A] ran (diagnostics.local_check)
   GradCheckStats local, shard;  // checks [A] (this rank's own gradient) and [B] (its shard)
   StepCosts costs;

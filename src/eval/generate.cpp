@@ -10,6 +10,8 @@
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "checkpoint/model_loader.h"
 #include "lockstep/error.h"
 #include "lockstep/tools.h"
@@ -39,7 +41,10 @@ int64_t next_token(const Model& model, const std::vector<int64_t>& context,
 
 std::string generate_text(const GenerateOptions& o) {
   if (o.tokens < 0) throw ConfigError("generate --tokens must be >= 0");
-  if (o.temperature < 0) throw ConfigError("generate --temperature must be >= 0 (0 = greedy)");
+  if (!(o.temperature >= 0) || !std::isfinite(o.temperature))  // NaN and inf print noise
+    throw ConfigError(fmt::format("generate --temperature {}: expected a finite number >= 0 "
+                                  "(0 = greedy)",
+                                  o.temperature));
   if (o.top_k < 0) throw ConfigError("generate --top-k must be >= 0 (0 = no cut)");
   const CheckpointedModel ckpt = load_checkpointed_model(o.path, o.step);
   if (ckpt.config.model.vocab_size > 256)

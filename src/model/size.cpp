@@ -60,12 +60,29 @@ double state_bytes_per_rank(const ModelSize& size, const TrainingConfig& t, Para
   return per_param * static_cast<double>(size.parameters);
 }
 
-namespace {
 std::string bytes_text(double b) {
   const double mib = b / 1048576.0;
   return mib < 1024 ? fmt::format("{:.1f} MiB", mib) : fmt::format("{:.1f} GiB", mib / 1024);
 }
-}  // namespace
+
+double activation_bytes_per_rank(const ModelSize& size, const Config& c) {
+  const double tokens = static_cast<double>(c.training.local_batch_size * c.training.seq_len);
+  const double compute = c.training.mixed_precision_param == Precision::kFloat32 ? 4 : 2;
+  // Values a layer keeps per token: GPT's LayerNorms, attention and GELU MLP; Llama's RMSNorms,
+  // rotary embeddings (in fp32) and SwiGLU keep more.
+  const bool llama = c.model.name == ModelName::kLlama;
+  const double per_layer = (llama ? 18.0 : 10.0) * static_cast<double>(c.model.dim) +
+                           (llama ? 4.0 : 3.0) * static_cast<double>(size.ffn_hidden);
+  return tokens * (static_cast<double>(size.layers) * per_layer * compute +
+                   4.0 * static_cast<double>(c.model.vocab_size) * 4);
+}
+
+MemoryPlan memory_plan(const Config& c, int64_t world) {
+  const ModelSize s = model_size(c.model);
+  constexpr double kRuntime = 160.0 * 1048576;  // LibTorch's CPU process, measured at start
+  return {state_bytes_per_rank(s, c.training, c.parallelism.mode, world),
+          activation_bytes_per_rank(s, c), kRuntime};
+}
 
 std::string describe_model_size(const Config& c) {
   const ModelSize s = model_size(c.model);
@@ -84,6 +101,10 @@ std::string describe_model_size(const Config& c) {
     out += fmt::format("  {:>5} {:>12} {:>12}\n", w,
                        bytes_text(state_bytes_per_rank(s, c.training, ParallelMode::kDdp, w)),
                        bytes_text(state_bytes_per_rank(s, c.training, ParallelMode::kSharded, w)));
+  out += fmt::format("activations per rank at local batch {} x seq {}: {} (checked with the state "
+                     "against the memory available before anything is allocated)\n",
+                     c.training.local_batch_size, c.training.seq_len,
+                     bytes_text(activation_bytes_per_rank(s, c)));
   return out;
 }
 

@@ -8,6 +8,7 @@ host path.
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
 Scenarios: ddp, fsdp, resume, device. Exit 0 and "ok" on success.
 """
+import gc
 import json
 import os
 import shutil
@@ -226,6 +227,7 @@ def main():
     dist.barrier()
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device}[scenario](run_dir)
+        gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,201 @@
+#include "fingerprint.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "checkpoint/safetensors.h"
+#include "comm/comm.h"
+#include "lockstep/build_info.h"
+#include "lockstep/error.h"
+#include "lockstep/model_size.h"
+
+namespace lockstep {
+namespace {
+
+constexpr std::string_view kPerRank[] = {"training.threads", "comm.store_listen_address",
+                                         "job.description", "data.path",
+                                         "validation.dataset_path", "data.exclude_ids_file"};
+constexpr int64_t kDigestTokens = 4096;  // each file's first tokens enter the fingerprint
+constexpr size_t kShownKeys = 6;         // differing keys named in the message
+
+std::string joined(const std::map<std::string, std::string>& items) {
+  std::string text;
+  for (const auto& [k, v] : items) text += k + "=" + v + "\n";
+  return text;
+}
+
+std::map<std::string, std::string> parsed(const std::string& text) {
+  std::map<std::string, std::string> items;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) items[line.substr(0, eq)] = line.substr(eq + 1);
+    start = end + 1;
+  }
+  return items;
+}
+
+// "0, 2-3, 5"
+std::string rank_list(const std::vector<int>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j > i ? fmt::format("{}-{}", ranks[i], ranks[j]) : fmt::format("{}", ranks[i]));
+    i = j + 1;
+  }
+  return fmt::format("rank{} {}", ranks.size() > 1 ? "s" : "", fmt::join(parts, ", "));
+}
+
+std::string shown(const std::string& v) {
+  return v.size() <= 80 ? v : v.substr(0, 77) + "...";
+}
+
+// Every rank's text, exchanged as bytes (one double each; only when the digests differ).
+std::vector<std::string> all_gather_text(Comm* comm, const std::string& mine) {
+  size_t longest = 0;
+  for (const auto& n : all_gather_values(comm, {static_cast<double>(mine.size())}))
+    longest = std::max(longest, static_cast<size_t>(n.at(0)));
+  std::vector<double> bytes(longest + 1, 0.0);
+  bytes[0] = static_cast<double>(mine.size());
+  for (size_t i = 0; i < mine.size(); ++i) bytes[i + 1] = static_cast<unsigned char>(mine[i]);
+  std::vector<std::string> out;
+  for (const auto& q : all_gather_values(comm, bytes)) {
+    std::string s(static_cast<size_t>(q.at(0)), '\0');
+    for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>(static_cast<int>(q[i + 1]));
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::span<const std::string_view> per_rank_keys() { return kPerRank; }
+
+std::string Fingerprint::digest() const {
+  const std::string text = joined(items);
+  return crc_hex(text.data(), text.size());
+}
+
+nlohmann::json Fingerprint::to_json() const {
+  return {{"digest", digest()}, {"items", items}};
+}
+
+Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
+                            const std::vector<int64_t>& excluded) {
+  Fingerprint f;
+  f.items["lockstep.version"] = fmt::format("{} (LibTorch {})", LOCKSTEP_VERSION, TORCH_VERSION);
+  const nlohmann::json config = nlohmann::json::parse(to_json(c));
+  for (const auto& [section, keys] : config.items())
+    for (const auto& [key, value] : keys.items()) {
+      const std::string name = section + "." + key;
+      if (std::find(std::begin(kPerRank), std::end(kPerRank), name) == std::end(kPerRank))
+        f.items[name] = value.dump();
+    }
+  for (size_t i = 0; i < data.shards().size(); ++i) {
+    const Shard& s = data.shards()[i];
+    std::vector<int64_t> first(static_cast<size_t>(std::min(s.tokens, kDigestTokens)));
+    data.read(static_cast<int64_t>(i), 0, static_cast<int64_t>(first.size()), first.data());
+    f.items[fmt::format("data.file.{}", i)] =
+        fmt::format("{}, {} tokens, {}, first tokens crc32 {}",
+                    std::filesystem::path(s.name).filename().string(), s.tokens, s.format,
+                    crc_hex(first.data(), first.size() * sizeof(int64_t)));
+  }
+  std::vector<int64_t> ids = excluded;
+  std::sort(ids.begin(), ids.end());
+  f.items["data.exclude_ids"] =
+      fmt::format("{} ids, crc32 {}", ids.size(), crc_hex(ids.data(), ids.size() * sizeof(int64_t)));
+  f.items["model.parameters"] = std::to_string(model_size(c.model).parameters);
+  return f;
+}
+
+std::string job_differences(const std::vector<std::map<std::string, std::string>>& per_rank,
+                            const std::vector<std::string>& names) {
+  std::map<std::string, int> keys;
+  for (const auto& items : per_rank)
+    for (const auto& [k, v] : items) keys[k] = 0;
+  std::vector<std::string> found;
+  for (const auto& [key, unused] : keys) {
+    std::map<std::string, std::vector<int>> by_value;  // value -> ranks
+    for (size_t r = 0; r < per_rank.size(); ++r) {
+      const auto it = per_rank[r].find(key);
+      by_value[it == per_rank[r].end() ? "(not set)" : shown(it->second)].push_back(
+          static_cast<int>(r));
+    }
+    if (by_value.size() < 2) continue;
+    std::vector<std::pair<std::string, std::vector<int>>> groups(by_value.begin(), by_value.end());
+    std::stable_sort(groups.begin(), groups.end(), [](const auto& a, const auto& b) {
+      return a.second.front() < b.second.front();  // rank 0's value first
+    });
+    std::vector<std::string> parts;
+    for (const auto& [value, ranks] : groups) {
+      std::vector<std::string> who;
+      for (int r : ranks) who.push_back(names.empty() ? "" : names[static_cast<size_t>(r)]);
+      parts.push_back(names.empty() ? fmt::format("{} on {}", value, rank_list(ranks))
+                                    : fmt::format("{} {}", value, fmt::join(who, " and ")));
+    }
+    found.push_back(fmt::format("{} is {}", key, fmt::join(parts, " and ")));
+  }
+  if (found.size() > kShownKeys) {
+    const size_t more = found.size() - kShownKeys;
+    found.resize(kShownKeys);
+    found.push_back(fmt::format("and {} more key{}", more, more > 1 ? "s" : ""));
+  }
+  return fmt::format("{}", fmt::join(found, "; "));
+}
+
+std::vector<std::string> check_same_data(const nlohmann::json& saved, const Fingerprint& now,
+                                         bool allow_data_change) {
+  if (!saved.contains("items")) return {};
+  const auto before = saved.at("items").get<std::map<std::string, std::string>>();
+  const auto data_of = [](const std::map<std::string, std::string>& items) {
+    std::map<std::string, std::string> data;
+    for (const auto& [k, v] : items)
+      if (k.starts_with("data.file.")) data[k] = v;
+    return data;
+  };
+  const auto data_before = data_of(before), data_now = data_of(now.items);
+  std::vector<std::string> warnings;
+  if (data_before != data_now) {
+    const std::string diff =
+        job_differences({data_before, data_now}, {"in the checkpoint", "now"});
+    if (!allow_data_change)
+      throw ConfigError(fmt::format(
+          "resume reads other data than the run trained on ({}); resume with the run's files, "
+          "or set checkpoint.allow_data_change = true to go on anyway",
+          diff));
+    warnings.push_back(fmt::format("resume with checkpoint.allow_data_change: other data ({})",
+                                   diff));
+  }
+  const auto ids = before.find("data.exclude_ids");
+  if (ids != before.end() && ids->second != now.items.at("data.exclude_ids"))
+    warnings.push_back(fmt::format("resume excludes other sample ids ({} -> {})", ids->second,
+                                   now.items.at("data.exclude_ids")));
+  return warnings;
+}
+
+void agree_on_job(const Fingerprint& mine, Comm* comm) {
+  if (comm == nullptr) return;
+  const std::string digest = mine.digest();
+  const double value = static_cast<double>(std::stoul(digest, nullptr, 16));
+  bool same = true;
+  for (const auto& q : all_gather_values(comm, {value, static_cast<double>(mine.items.size())}))
+    same = same && q.at(0) == value && q.at(1) == static_cast<double>(mine.items.size());
+  if (same) return;
+  std::vector<std::map<std::string, std::string>> every;
+  for (const std::string& text : all_gather_text(comm, joined(mine.items)))
+    every.push_back(parsed(text));
+  throw ConfigError(fmt::format(
+      "the ranks do not run the same job: {}; start every rank with the same config, data and "
+      "lockstep build (a rank may set only {} for itself)",
+      job_differences(every), fmt::join(kPerRank, ", ")));
+}
+
+}  // namespace lockstep

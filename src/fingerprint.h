@@ -1,0 +1,60 @@
+// The job's fingerprint: everything that must be the same on every rank for the decision to be
+// agreed by construction — lockstep's and LibTorch's versions, every config key but the few a
+// rank may set for itself (its own paths, threads), the data files as their content (name,
+// tokens, format, a CRC32 of their first tokens), the excluded sample ids, the model's
+// parameter count. The ranks exchange its digest once at start (one small collective, before
+// any collective whose size depends on the config); a difference stops every rank with exit
+// code 2, naming each differing key and its value on each rank. meta.json keeps it, so a resume
+// is checked against the data the run trained on, not only the paths.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/config.h"
+#include "lockstep/data.h"
+
+namespace lockstep {
+
+class Comm;
+
+struct Fingerprint {
+  std::map<std::string, std::string> items;  // key -> value as text
+  std::string digest() const;                // CRC32 of "key=value\n" in key order, "%08x"
+  nlohmann::json to_json() const;            // {"digest": ..., "items": {...}}
+};
+
+// Keys a rank may set for itself (left out of the fingerprint): what names this rank's own
+// files (the data's content is in it), its threads, its store address, the description.
+std::span<const std::string_view> per_rank_keys();
+
+// This rank's fingerprint: the config, `data` (read: the first tokens of each file), the
+// sample ids data.exclude_ids_file excludes.
+Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
+                            const std::vector<int64_t>& excluded);
+
+// One all-gather of each rank's digest; when they differ, a second exchange of every rank's
+// items, and a ConfigError (exit 2) on every rank with job_differences' line. A null comm (one
+// rank) agrees with itself.
+void agree_on_job(const Fingerprint& mine, Comm* comm);
+
+// A resume from a checkpoint whose meta.json holds `saved` (a fingerprint's to_json(); {} for
+// checkpoints written before fingerprints): the data files' content (data.file.*) must be the
+// run's — else ConfigError naming each file, unless `allow_data_change` (then a warning is
+// returned); another exclude list is returned as a warning.
+std::vector<std::string> check_same_data(const nlohmann::json& saved, const Fingerprint& now,
+                                         bool allow_data_change);
+
+// "optimizer.lr is 0.003 on ranks 0, 2-3 and 0.001 on rank 1; ..." for every key whose value
+// (or absence) differs between the ranks' items, grouped by value; "" when none differs.
+// `names` (one per item map) replaces "on rank R": "x.y is 1 in the checkpoint and 2 now".
+std::string job_differences(const std::vector<std::map<std::string, std::string>>& per_rank,
+                            const std::vector<std::string>& names = {});
+
+}  // namespace lockstep
