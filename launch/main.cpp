@@ -208,6 +208,7 @@ void add_model_tools(Cli& c) {
                       "val_000000.bin")->capture_default_str();
   c.shard->add_option("--shard-tokens", s.shard_tokens, "Tokens per train shard")->capture_default_str();
   c.shard->add_option("--synthetic-tokens", s.synthetic_tokens, "Size of the synthetic corpus")
+      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 31))  // data.synthetic_tokens' range
       ->capture_default_str();
   c.sample = data->add_subcommand(
       "show", "Where sample ids of a run's data come from (file, offset) and their tokens and "

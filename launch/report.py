@@ -17,6 +17,12 @@ def number(v):
     return math.nan if v is None else float(v)
 
 
+def fail(code, message):
+    """One line and lockstep's exit code: 2 for the command line, 3 for an input file."""
+    print(f"lockstep report: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
 def read_jsonl(path):
     out = []
     with open(path, encoding="utf-8") as f:
@@ -26,7 +32,7 @@ def read_jsonl(path):
                 try:
                     out.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    sys.exit(f"lockstep report: {path}:{n} is not JSON ({e.msg}); is the file damaged?")
+                    fail(3, f"{path}:{n} is not JSON ({e.msg}); is the file damaged?")
     return out
 
 
@@ -34,6 +40,8 @@ def main():
     if len(sys.argv) != 3:
         sys.exit("usage: report.py RUN_DIR OUT_PNG")
     run_dir, out = sys.argv[1], sys.argv[2]
+    if os.path.isdir(out):
+        fail(2, f"--out '{out}' is a folder; give the path of a .png file to write")
     try:
         import matplotlib
     except ImportError:
@@ -45,8 +53,11 @@ def main():
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path):
-        sys.exit(f"lockstep report: no {metrics_path}; pass a lockstep run directory (job.dump_folder)")
+        fail(3, f"no {metrics_path}; pass a lockstep run directory (job.dump_folder)")
     records = read_jsonl(metrics_path)
+    starts = [i for i, m in enumerate(records) if m.get("event") == "start"]
+    if starts:  # a fresh run over an earlier run's file: only the last run's records
+        records = records[starts[-1] + 1:]
     metrics = [m for m in records if "event" not in m]  # resume/rewind/validation records apart
     validation = [m for m in records if m.get("event") == "validation"]
     # A resumed run appends: keep the last record of each step.
@@ -192,4 +203,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        fail(3, f"a record in {sys.argv[1]} (metrics.jsonl or diagnostics/) lacks a field or has "
+                f"one of the wrong type ({type(e).__name__}: {e}); is the file damaged?")

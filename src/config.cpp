@@ -528,6 +528,47 @@ constexpr std::array<Alias, 6> kAliases = {{
     {"debug.seed", "training.seed"},
 }};
 
+// Other frameworks' words for lockstep's concepts, named in the error of an unknown key (not read
+// as the key: the meaning may differ), and what lockstep does not have, said plainly.
+struct Synonym {
+  std::string_view theirs, hint;
+};
+constexpr std::string_view kNoCompile =
+    "not supported: lockstep runs eager ATen ops (there is no torch.compile for C++); remove it";
+constexpr std::string_view kDataParallelOnly =
+    "not supported: lockstep is data-parallel only (parallelism.mode = \"ddp\" or \"sharded\"); "
+    "remove it";
+constexpr std::string_view kMetricsFile =
+    "not supported yet: metrics go to RUN_DIR/metrics.jsonl (lockstep report draws them); "
+    "remove it";
+constexpr std::array<Synonym, 17> kSynonyms = {{
+    {"optimizer.learning_rate", "the learning rate is 'optimizer.lr'"},
+    {"training.lr", "the learning rate is 'optimizer.lr'"},
+    {"training.learning_rate", "the learning rate is 'optimizer.lr'"},
+    {"training.max_grad_norm", "the clip is 'training.max_norm'"},
+    {"training.grad_clip", "the clip is 'training.max_norm'"},
+    {"training.max_steps", "the step count is 'training.steps'"},
+    {"training.micro_batch_size", "the per-rank batch is 'training.local_batch_size'"},
+    {"training.precision", "precision is 'training.mixed_precision_param'"},
+    {"training.dtype", "precision is 'training.mixed_precision_param'"},
+    {"training.compile", kNoCompile},
+    {"compile.enable", kNoCompile},
+    {"activation_checkpoint.mode",
+     "not supported yet: every activation is kept; lower training.local_batch_size instead"},
+    {"parallelism.tensor_parallel_degree", kDataParallelOnly},
+    {"parallelism.pipeline_parallel_degree", kDataParallelOnly},
+    {"parallelism.context_parallel_degree", kDataParallelOnly},
+    {"metrics.enable_tensorboard", kMetricsFile},
+    {"metrics.enable_wandb", kMetricsFile},
+}};
+
+// Other spellings of a choice's values.
+constexpr std::array<Alias, 5> kValueSynonyms = {{{"bf16", "bfloat16"},
+                                                   {"fp16", "float16"},
+                                                   {"half", "float16"},
+                                                   {"fp32", "float32"},
+                                                   {"float", "float32"}}};
+
 // The field `name` names, directly or as a torchtitan alias (noted in `c`); null if none.
 const Field* resolve_key(const std::string& name, Config& c) {
   if (const Field* f = find_field(name)) return f;
@@ -542,6 +583,8 @@ const Field* resolve_key(const std::string& name, Config& c) {
 
 std::string unknown_key_message(const std::string& name, const std::string& where) {
   std::string msg = fmt::format("unknown config key '{}' {}", name, where);
+  for (const Synonym& syn : kSynonyms)
+    if (syn.theirs == name) return msg + "; " + std::string(syn.hint);
   // Aliases first: on a tie the torchtitan spelling a user typed wins.
   std::vector<std::string> candidates;
   for (const Alias& a : kAliases) candidates.emplace_back(a.theirs);
@@ -649,6 +692,10 @@ void check_and_set(Config& c, const Field& f, const Value& v, const std::string&
     const auto& s = std::get<std::string>(v);
     if (std::find(f.choices.begin(), f.choices.end(), s) == f.choices.end()) {
       std::string hint = nearest(s, f.choices);
+      for (const Alias& a : kValueSynonyms)
+        if (a.theirs == s && std::find(f.choices.begin(), f.choices.end(), a.ours) !=
+                                 f.choices.end())
+          hint = std::string(a.ours);
       throw ConfigError(fmt::format("invalid value for '{}': \"{}\" {}; expected {}{}", f.name(),
                                     s, where, expected(f),
                                     hint.empty() ? "" : fmt::format(" (did you mean \"{}\"?)",
@@ -884,6 +931,15 @@ Config load_config(std::string_view toml_text, const std::string& origin,
   }
 
   Config c;
+  // Every key's error at once (a file with four mistakes takes one run, not four).
+  std::vector<std::string> errors;
+  const auto collect = [&errors](const auto& apply) {
+    try {
+      apply();
+    } catch (const ConfigError& e) {
+      errors.emplace_back(e.what());
+    }
+  };
   for (const auto& [sec_key, sec_node] : root) {
     std::string section(sec_key.str());
     const toml::table* sec = sec_node.as_table();
@@ -891,25 +947,31 @@ Config load_config(std::string_view toml_text, const std::string& origin,
       const Field* f = nullptr;
       for (const auto& fl : fields())
         if (!f && fl.key == section) f = &fl;
-      throw ConfigError(fmt::format(
+      errors.push_back(fmt::format(
           "config key '{}' {} is outside any section; {}", section,
           where_in_file(origin, sec_node.source()),
           f ? fmt::format("put it under [{}]", f->section) : "keys live in [section] tables"));
+      continue;
     }
-    for (const auto& [key, node] : *sec) {
-      std::string name = section + "." + std::string(key.str());
-      std::string where = where_in_file(origin, node.source());
+    for (const auto& [key, node] : *sec)
+      collect([&, &key = key, &node = node] {
+        std::string name = section + "." + std::string(key.str());
+        std::string where = where_in_file(origin, node.source());
+        const Field* f = resolve_key(name, c);
+        if (!f) throw ConfigError(unknown_key_message(name, where));
+        check_and_set(c, *f, from_toml(*f, node, where), where);
+      });
+  }
+  for (const auto& [name, text] : overrides)
+    collect([&, &name = name, &text = text] {
+      std::string where = fmt::format("(from --{})", name);
       const Field* f = resolve_key(name, c);
-      if (!f) throw ConfigError(unknown_key_message(name, where));
-      check_and_set(c, *f, from_toml(*f, node, where), where);
-    }
-  }
-  for (const auto& [name, text] : overrides) {
-    std::string where = fmt::format("(from --{})", name);
-    const Field* f = resolve_key(name, c);
-    if (!f) throw ConfigError(unknown_key_message(name, "on the command line"));
-    check_and_set(c, *f, from_text(*f, text, where), where);
-  }
+      if (!f) throw ConfigError(unknown_key_message(name, "on the command line"));
+      check_and_set(c, *f, from_text(*f, text, where), where);
+    });
+  if (errors.size() == 1) throw ConfigError(errors[0]);
+  if (!errors.empty())
+    throw ConfigError(fmt::format("{} errors: {}", errors.size(), fmt::join(errors, "; ")));
   validate_cross(c);
   return c;
 }

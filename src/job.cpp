@@ -3,6 +3,9 @@
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <filesystem>
+
 #include "clock.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
@@ -245,13 +248,33 @@ void load(Job& j, int64_t step) {
 
 }  // namespace
 
+namespace {
+
+// A fresh run in a folder whose metrics.jsonl holds an earlier run's records (no checkpoint
+// to archive them with): a marker record first, so readers (lockstep report) start after it.
+void mark_fresh_start(const Job& j) {
+  const std::string path = j.run_dir + "/metrics.jsonl";
+  std::error_code ec;
+  if (!j.lead || !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) == 0)
+    return;
+  JsonlWriter(path).write({{"event", "start"},
+                           {"step", 0},
+                           {"note", "a fresh run starts here; the records above are an earlier "
+                                    "run's"}});
+  log::warn("{} holds an earlier run's records; this run's follow a \"start\" record", path);
+}
+
+}  // namespace
+
 void resume(Job& j) {
   const int64_t step =
       j.config.checkpoint.enable ? j.checkpointer->step_to_load(j.config.checkpoint.load_step) : 0;
-  if (step > 0)
+  if (step > 0) {
     load(j, step);
-  else
+  } else {
     start_fresh(j);
+    mark_fresh_start(j);
+  }
   j.state.world_size = j.ranks.world_size;
   j.state.fingerprint = j.fingerprint.to_json();
   log::info("lockstep: model {}, {} parameters, device {}, {} threads, data: {}",
@@ -282,7 +305,8 @@ std::string save_checkpoint(Job& j) {
                            j.config_json, j.comm.get());
   const double secs = seconds_since(start);
   log::info("checkpoint saved: {} ({:.1f} s{})", dir, secs,
-            peak ? fmt::format(", peak resident memory +{:.0f} MiB", peak_resident_mib() - before)
+            peak ? fmt::format(", peak resident memory +{:.0f} MiB",
+                               std::max(0.0, peak_resident_mib() - before))  // never "+-0"
                  : "");
   return dir;
 }

@@ -148,11 +148,24 @@ std::vector<std::string> check_resume(const nlohmann::json& saved_config, int64_
                       {"training", "gradient_accumulation_steps"}, {"data", "exclude_ids_file"}})
     if (changed(s, k)) batch.push_back(change_text(s, k));
   if (saved_world != world) batch.push_back(fmt::format("world size {} -> {}", saved_world, world));
-  if (!batch.empty())
-    warnings.push_back(fmt::format("resume changes the global batch ({}); the data order goes on "
-                                   "from the same position, the run no longer reproduces the "
-                                   "uninterrupted one bit for bit",
-                                   fmt::join(batch, ", ")));
+  if (batch.empty()) return warnings;
+  // The samples a step takes: local batch x accumulation x ranks (4 x 3 -> 3 x 4 keeps it).
+  const auto global = [](const nlohmann::json& cfg, int64_t ranks) {
+    const nlohmann::json& t = cfg.at("training");
+    return t.value("local_batch_size", int64_t{0}) *
+           t.value("gradient_accumulation_steps", int64_t{1}) * ranks;
+  };
+  const int64_t before = global(saved, saved_world), after = global(now, world);
+  warnings.push_back(
+      before == after
+          ? fmt::format("resume splits the same global batch ({} samples a step) differently "
+                        "({}); the data order goes on from the same position, the run no longer "
+                        "reproduces the uninterrupted one bit for bit",
+                        after, fmt::join(batch, ", "))
+          : fmt::format("resume changes the global batch ({} -> {} samples a step: {}); the data "
+                        "order goes on from the same position, the run no longer reproduces the "
+                        "uninterrupted one bit for bit",
+                        before, after, fmt::join(batch, ", ")));
   return warnings;
 }
 

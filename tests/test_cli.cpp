@@ -301,6 +301,38 @@ TEST(Cli, GenerateRefusesATemperatureThatIsNotFinite) {
   }
 }
 
+// data shard's synthetic corpus has data.synthetic_tokens' range (issue 25: 3e9 died with
+// std::bad_alloc): exit 2 naming the option and the range, nothing written.
+TEST(Cli, DataShardRefusesASyntheticCorpusOutOfRange) {
+  lockstep::test::TempDir dir;
+  const CliRun r = capture(std::string(LOCKSTEP_BIN) + " data shard " + dir / "out" +
+                           " --synthetic-tokens 3e9");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--synthetic-tokens: Value 3e9 not in range 1024 to 2147483648"),
+            std::string::npos)
+      << r.out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "out"));
+}
+
+// `lockstep report` on bad input: one line and lockstep's exit codes, never a Python traceback
+// (issue 25: --out a folder, or a damaged record, printed a traceback and exited 1).
+TEST(Cli, ReportRefusesAFolderAndDamagedRecordsInOneLine) {
+  lockstep::test::TempDir dir;
+  lockstep::test::write_bytes(dir / "metrics.jsonl", "{\"step\": 1, \"loss\": 2.0}\n{\"loss\": 1.5}\n");
+  std::filesystem::create_directories(dir / "folder");
+  const CliRun folder = capture(std::string(LOCKSTEP_BIN) + " report " + dir.path() +
+                                " --out " + dir / "folder");
+  EXPECT_EQ(folder.code, 2) << folder.out;
+  EXPECT_NE(folder.out.find("--out '" + dir / "folder" + "' is a folder"), std::string::npos)
+      << folder.out;
+  const CliRun damaged = capture(std::string(LOCKSTEP_BIN) + " report " + dir.path());
+  EXPECT_EQ(damaged.code, 3) << damaged.out;
+  EXPECT_NE(damaged.out.find("lacks a field or has one of the wrong type"), std::string::npos)
+      << damaged.out;
+  for (const CliRun* r : {&folder, &damaged})
+    EXPECT_EQ(r->out.find("Traceback"), std::string::npos) << r->out;
+}
+
 // ---- lockstep-run: torchrun's worker contract --------------------------------------------
 
 namespace {

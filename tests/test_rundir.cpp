@@ -5,10 +5,13 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
+#include "lockstep/config.h"
+#include "rundir.h"
 #include "test_util.h"
 
 using namespace lockstep;
@@ -95,7 +98,8 @@ TEST(RunFolder, AResumeThatChangesTheDataOrderIsRefused) {
   EXPECT_NE(r.out.find("checkpoint.allow_data_change"), std::string::npos) << r.out;
   r = test::run_lockstep(job(run, 6, "--training.local_batch_size 2"));
   EXPECT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("resume changes the global batch (training.local_batch_size 4 -> 2)"),
+  EXPECT_NE(r.out.find("resume changes the global batch (4 -> 2 samples a step: "
+                       "training.local_batch_size 4 -> 2)"),
             std::string::npos)
       << r.out;
   r = test::run_lockstep(job(run, 8, "--training.seed 7 --checkpoint.allow_data_change true"));
@@ -120,4 +124,39 @@ TEST(RunFolder, RemoveAllTakesTheTreeAndLeavesLinkTargets) {
   EXPECT_EQ(test::read_text(outside + "/kept"), "y");
   fs::remove_all(tree);  // already gone
   EXPECT_FALSE(fs::exists(tree));
+}
+
+// A resume that splits the same global batch otherwise (4 x 3 ranks -> 3 x 4) says so, not that
+// the global batch changed (issue 25: it warned that it had).
+TEST(RunFolder, AResumeThatSplitsTheSameGlobalBatchOtherwiseSaysSo) {
+  Config before = default_config({{"training.local_batch_size", "4"}});
+  const Config after = default_config({{"training.local_batch_size", "3"}});
+  const auto w = check_resume(nlohmann::json::parse(to_json(before)), 3, after, 4);
+  ASSERT_EQ(w.size(), 1u);
+  EXPECT_NE(w[0].find("resume splits the same global batch (12 samples a step) differently "
+                      "(training.local_batch_size 4 -> 3, world size 3 -> 4)"),
+            std::string::npos)
+      << w[0];
+}
+
+// A fresh run over an earlier run's metrics.jsonl (no checkpoints to archive it with) writes a
+// "start" record first, and `lockstep report` draws only the records after it (issue 25: the
+// steps 1..N of both runs were appended with no marker).
+TEST(RunFolder, AFreshRunOverAnEarlierMetricsFileMarksItsStart) {
+  test::TempDir dir;
+  const std::string run = dir / "run";
+  ASSERT_EQ(test::run_lockstep(job(run, 3, "--checkpoint.enable false")).code, 0);
+  const CliRun r = test::run_lockstep(job(run, 2, "--checkpoint.enable false"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("holds an earlier run's records; this run's follow a \"start\" record"),
+            std::string::npos)
+      << r.out;
+  std::vector<std::string> kinds;
+  std::istringstream in(test::read_text(run + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    kinds.push_back(j.contains("event") ? j["event"].get<std::string>()
+                                        : std::to_string(j["step"].get<int64_t>()));
+  }
+  EXPECT_EQ(kinds, (std::vector<std::string>{"1", "2", "3", "start", "1", "2"}));
 }
