@@ -78,9 +78,6 @@ class Core {
                    host, device),
         run_dir_(run_dir) {
     counters_.world_size = world;
-    if (!run_dir.empty())
-      events_ = std::make_unique<JsonlWriter>(
-          fmt::format("{}/diagnostics/rank{}.jsonl", run_dir, rank));
   }
 
   std::string config_json() const { return to_json(config_); }
@@ -127,7 +124,12 @@ class Core {
       if (mine.local_stats) step.local = GradCheck::read(mine.local_stats->to(at::kCPU));
       if (mine.shard_stats) step.shard = GradCheck::read(mine.shard_stats->to(at::kCPU));
       const Event e = explainer_.event(counters_, step, v, rows_of(table), samples, detector_, lr);
-      if (events_) events_->write(to_json(e));
+      if (!run_dir_.empty()) {  // the file appears with its first event
+        if (!events_)
+          events_ = std::make_unique<JsonlWriter>(
+              fmt::format("{}/diagnostics/rank{}.jsonl", run_dir_, rank_));
+        events_->write(to_json(e));
+      }
       message = v.decision == Decision::kAbort
                     ? abort_message(e, "the guard saves nothing: your last checkpoint stands",
                                     run_dir_.empty() ? "<run_dir>" : run_dir_)

@@ -142,22 +142,26 @@ class SkipGuard:
         text, origin = "", "<guard>"
         if isinstance(config, (str, os.PathLike)):
             origin = os.fspath(config)
-            with open(origin, encoding="utf-8") as f:
-                text = f.read()
+            try:
+                with open(origin, encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"config file: cannot read '{origin}' ({e}); pass a lockstep "
+                                  "TOML file or a dict") from None
         elif config is not None and not isinstance(config, dict):
             raise ConfigError(f"config: {type(config).__name__}; expected a TOML file path or a dict")
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        if self.run_dir:
-            os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.core = _C.Core(text, origin, _overrides(config, overrides), self.rank, self.world,
                             self.names, self.run_dir, socket.gethostname(), str(device))
         self.config = json.loads(self.core.config_json())
         self._refuse_harness_only()
         self.on_device = self._decides_on_device()
+        if self.run_dir:  # only for a valid config: a refused guard writes nothing
+            os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
         self._step = 0
         self._checks = {}
         self._local_parts = []
