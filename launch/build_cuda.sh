@@ -37,6 +37,9 @@ export LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON -DCMAKE_CUDA_COMPILER=$cuda_root/
 # The PyTorch package with its CUDA kernels, against the same torch (compiled, not run here).
 if [[ -n "${venv:-}" ]]; then
   log="$LOCKSTEP_BUILD_DIR/python-package.log"
+  "$venv/bin/python" -c "import setuptools" 2>/dev/null \
+    || "$venv/bin/pip" install -q --disable-pip-version-check setuptools >/dev/null \
+    || die "pip install setuptools into $venv failed (the PyTorch package's build needs it)"
   CUDA_HOME="$cuda_root" "$root/launch/build_python.sh" "$venv/bin/python" \
     "$LOCKSTEP_BUILD_DIR/python" >"$log" 2>&1 \
     || { tail -30 "$log" >&2; die "building the CUDA PyTorch package failed (log: $log)"; }

@@ -20,7 +20,7 @@ die() { printf 'lockstep setup: error: %s\n' "$*" >&2; exit 1; }
 # --- Debian packages -------------------------------------------------------
 APT_PACKAGES=(cmake ninja-build g++ ccache lld pkg-config libcli11-dev libspdlog-dev libfmt-dev
   libtomlplusplus-dev nlohmann-json3-dev libgtest-dev libgmock-dev openmpi-bin libopenmpi-dev libgloo-dev
-  python3-venv)
+  python3-venv python3-dev)  # python3-dev: Python.h for the PyTorch package (setup.py)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -77,12 +77,13 @@ if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import torch" 2>/dev/null; then
   "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_PIN" 2>&1 \
     | { grep -v "^WARNING: Location" || true; } || die "pip install torch==$TORCH_PIN failed"
 fi
-for tool in matplotlib lizard transformers; do
+# setuptools: the PyTorch package's build (venvs of Python 3.12+, Debian 13's, come without it).
+for tool in matplotlib lizard transformers setuptools; do
   if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import $tool" 2>/dev/null; then
     say "installing $tool into .venv"
     "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "$tool" 2>&1 \
       | { grep -v "^WARNING: Location" || true; } \
-      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard, the export test transformers"
+      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard, the export test transformers, the PyTorch package setuptools"
   fi
 done
 
