@@ -286,7 +286,8 @@ class SkipGuard:
         verdict of the previous step (None at the first), read a step late. Raises StepAborted
         on every rank when the agreed decision is to stop. `loss`: this rank's mean loss;
         `sample_ids`/`sample_losses`: this rank's samples and their own losses (events name
-        the suspects); `stop`: this rank asks all to stop (the verdict's `stop` is agreed)."""
+        the suspects; pass them on every rank or on none: an anomalous step exchanges them);
+        `stop`: this rank asks all to stop (the verdict's `stop` is agreed)."""
         self._step += 1
         params = [p for p in self.params if p.grad is not None]
         shard, grads = self._shard_stats(params)
