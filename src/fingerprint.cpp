@@ -16,6 +16,8 @@
 namespace lockstep {
 namespace {
 
+// Keys a rank may set for itself (left out of the fingerprint): what names this rank's own
+// files (the data's content is in it), its threads, its store address, the description.
 constexpr std::string_view kPerRank[] = {"training.threads", "comm.store_listen_address",
                                          "job.description", "data.path",
                                          "validation.dataset_path", "data.exclude_ids_file"};
@@ -76,8 +78,6 @@ std::vector<std::string> all_gather_text(Comm* comm, const std::string& mine) {
 }
 
 }  // namespace
-
-std::span<const std::string_view> per_rank_keys() { return kPerRank; }
 
 std::string Fingerprint::digest() const {
   const std::string text = joined(items);

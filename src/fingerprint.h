@@ -10,9 +10,7 @@
 
 #include <cstdint>
 #include <map>
-#include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -29,10 +27,6 @@ struct Fingerprint {
   std::string digest() const;                // CRC32 of "key=value\n" in key order, "%08x"
   nlohmann::json to_json() const;            // {"digest": ..., "items": {...}}
 };
-
-// Keys a rank may set for itself (left out of the fingerprint): what names this rank's own
-// files (the data's content is in it), its threads, its store address, the description.
-std::span<const std::string_view> per_rank_keys();
 
 // This rank's fingerprint: the config, `data` (read: the first tokens of each file), the
 // sample ids data.exclude_ids_file excludes.

@@ -246,10 +246,6 @@ void load(Job& j, int64_t step) {
                 {"newer_checkpoints", newer}});
 }
 
-}  // namespace
-
-namespace {
-
 // A fresh run in a folder whose metrics.jsonl holds an earlier run's records (no checkpoint
 // to archive them with): a marker record first, so readers (lockstep report) start after it.
 void mark_fresh_start(const Job& j) {

@@ -7,12 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
-
-#include <fstream>
 
 #include "lockstep/error.h"
 #include "lockstep/model_size.h"

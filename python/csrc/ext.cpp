@@ -140,9 +140,7 @@ class Core {
   }
 
   std::string state() const {
-    TrainState st;
-    static_cast<RunCounters&>(st) = counters_;
-    nlohmann::json j = counters_json(st);
+    nlohmann::json j = counters_json(counters_);
     j["detector"] = detector_.state();
     j["loss_scale"] = detector_.loss_scale_state();
     return j.dump();
@@ -197,11 +195,9 @@ class Check {
       check_ = std::make_unique<GradCheck>(named(names_, grads), offset_, length_);
       pointers_.clear();
       for (const auto& g : grads) pointers_.push_back(g.const_data_ptr());
-      ++builds_;
     }
     return check_->run();
   }
-  int64_t builds() const { return builds_; }
 
  private:
   bool same_memory(const std::vector<at::Tensor>& grads) const {
@@ -214,7 +210,6 @@ class Check {
   int64_t offset_, length_;
   std::unique_ptr<GradCheck> check_;
   std::vector<const void*> pointers_;
-  int64_t builds_ = 0;
 };
 
 }  // namespace
@@ -289,6 +284,5 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Check>(m, "Check")
       .def(py::init<std::vector<std::string>, int64_t, int64_t>(), py::arg("names"),
            py::arg("offset") = 0, py::arg("length") = -1)
-      .def("run", &Check::run, py::arg("grads"))
-      .def_property_readonly("builds", &Check::builds);
+      .def("run", &Check::run, py::arg("grads"));
 }
