@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -88,7 +89,7 @@ struct Cli {
       *report, *version, *shard, *sample, *exporter, *generate;
   std::string train_config, file, ckpt_dir, diag_dir, quarantine, report_dir, report_out;
   int64_t fault_ranks = 1;
-  bool json = false;
+  bool json = false, with_suspects = false;
   lockstep::GradcheckBenchOptions gradcheck_options;
   lockstep::CommBenchOptions comm_options;
   lockstep::DecisionBenchOptions decision_options;
@@ -131,11 +132,14 @@ void add_tools(Cli& c) {
   c.info->add_flag("--json", c.json, "Print JSON");
   c.diag = c.app.add_subcommand(
       "diag", "Summarise a run's skip and abort events per step and per rank; write a quarantine "
-              "file of suspect sample ids");
+              "file of the bad sample ids");
   c.diag->add_option("run_dir", c.diag_dir, "The run directory (job.dump_folder)")->required();
   c.diag->add_flag("--json", c.json, "Print the summary as JSON");
   c.diag->add_option("--quarantine", c.quarantine,
-                     "Where to write the suspect sample ids (default RUN_DIR/quarantine.txt)");
+                     "Where to write the bad sample ids (default RUN_DIR/quarantine.txt)");
+  c.diag->add_flag("--with-suspects", c.with_suspects,
+                   "Quarantine the suspect batches too (batches that reproduced an anomaly with "
+                   "no sample standing out)");
   c.report = c.app.add_subcommand(
       "report", "Render loss, grad norm with thresholds, LR, skips and a per-rank anomaly "
                 "timeline as a PNG (matplotlib)");
@@ -292,7 +296,13 @@ int checkpoint_info(const Cli& c) {
 }
 
 int diagnose(const Cli& c) {
-  const auto summary = lockstep::diagnose(c.diag_dir);
+  auto summary = lockstep::diagnose(c.diag_dir);
+  if (c.with_suspects) {
+    std::set<int64_t> ids;
+    for (const auto& key : {"samples", "suspects"})
+      for (const auto& t : summary[key]) ids.insert(t["id"].get<int64_t>());
+    summary["quarantine"] = std::vector<int64_t>(ids.begin(), ids.end());
+  }
   if (c.json)
     std::cout << summary.dump(2) << "\n";
   else
@@ -301,7 +311,7 @@ int diagnose(const Cli& c) {
     const std::string path = c.quarantine.empty() ? c.diag_dir + "/quarantine.txt" : c.quarantine;
     lockstep::write_quarantine(path, summary);
     if (!c.json)
-      fmt::print("quarantine: {} suspect sample id(s) written to {}; resume without them: "
+      fmt::print("quarantine: {} sample id(s) written to {}; resume without them: "
                  "--data.exclude_ids_file {}\n",
                  summary["quarantine"].size(), path, path);
   }

@@ -335,7 +335,11 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
                         1LL << 31, "length of the generated corpus"));
   t.push_back(string_field("data", "exclude_ids_file", &C::data, &D::exclude_ids_file,
                            "file of sample ids never to draw, one per line (the quarantine "
-                           "file `lockstep diag` writes); \"\" = none"));
+                           "file `lockstep diag` writes); \"\" = none. A checkpoint carries "
+                           "the list in force: a resume keeps excluding them without this key"));
+  t.push_back(string_field("data", "readmit_ids_file", &C::data, &D::readmit_ids_file,
+                           "file of sample ids to draw again although the resumed checkpoint's "
+                           "exclude list holds them, one per line; \"\" = none"));
 }
 
 void validation_fields(std::vector<Field>& t) {

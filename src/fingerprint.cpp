@@ -17,10 +17,12 @@ namespace lockstep {
 namespace {
 
 // Keys a rank may set for itself (left out of the fingerprint): what names this rank's own
-// files (the data's content is in it), its threads, its store address, the description.
+// files (the data's content and the ids excluded are in it), its threads, its store address,
+// the description.
 constexpr std::string_view kPerRank[] = {"training.threads", "comm.store_listen_address",
                                          "job.description", "data.path",
-                                         "validation.dataset_path", "data.exclude_ids_file"};
+                                         "validation.dataset_path", "data.exclude_ids_file",
+                                         "data.readmit_ids_file"};
 constexpr int64_t kDigestTokens = 4096;  // each file's first tokens enter the fingerprint
 constexpr size_t kShownKeys = 6;         // differing keys named in the message
 
@@ -176,8 +178,11 @@ std::vector<std::string> check_same_data(const nlohmann::json& saved, const Fing
   }
   const auto ids = before.find("data.exclude_ids");
   if (ids != before.end() && ids->second != now.items.at("data.exclude_ids"))
-    warnings.push_back(fmt::format("resume excludes other sample ids ({} -> {})", ids->second,
-                                   now.items.at("data.exclude_ids")));
+    warnings.push_back(fmt::format(
+        "resume excludes other sample ids than the run did ({} -> {}; data.exclude_ids_file, "
+        "data.readmit_ids_file): the global batch keeps its size, the samples drawn from here "
+        "differ from the uninterrupted run's",
+        ids->second, now.items.at("data.exclude_ids")));
   return warnings;
 }
 

@@ -29,7 +29,7 @@ struct Fingerprint {
 };
 
 // This rank's fingerprint: the config, `data` (read: the first tokens of each file), the
-// sample ids data.exclude_ids_file excludes.
+// sample ids excluded (data.exclude_ids_file's, with a resumed checkpoint's).
 Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
                             const std::vector<int64_t>& excluded);
 

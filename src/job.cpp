@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "clock.h"
 #include "fsutil.h"
@@ -46,6 +47,33 @@ void connect_ranks(Job& j) {
             j.ranks.master_port);
 }
 
+// Where the exclude list comes from, for messages: the file alone on a fresh start.
+std::string exclusion_origin(const DataConfig& d, bool carried) {
+  if (!carried && d.readmit_ids_file.empty()) return d.exclude_ids_file;
+  std::string out = carried ? "the resumed checkpoint's exclude list" : "";
+  if (!d.exclude_ids_file.empty())
+    out += (out.empty() ? "" : " + ") + d.exclude_ids_file;
+  if (!d.readmit_ids_file.empty()) out += " - " + d.readmit_ids_file;
+  return out;
+}
+
+// The sample ids never drawn: those the resumed checkpoint carries (`carried`; none on a fresh
+// start), with data.exclude_ids_file's, less data.readmit_ids_file's. A quarantine stays in
+// force across resumes until readmitted. Sets the sampler and the job's fingerprint.
+void exclude_samples(Job& j, const std::vector<int64_t>& carried) {
+  const DataConfig& d = j.config.data;
+  std::set<int64_t> ids(carried.begin(), carried.end());
+  if (!d.exclude_ids_file.empty())
+    for (int64_t id : read_id_file(d.exclude_ids_file)) ids.insert(id);
+  if (!d.readmit_ids_file.empty())
+    for (int64_t id : read_id_file(d.readmit_ids_file, "data.readmit_ids_file")) ids.erase(id);
+  std::vector<int64_t> now(ids.begin(), ids.end());
+  if (!now.empty() || !j.excluded.empty())
+    j.sampler->set_excluded(now, exclusion_origin(d, !carried.empty()));
+  j.excluded = std::move(now);
+  j.fingerprint = job_fingerprint(j.config, *j.source, j.excluded);
+}
+
 void open_data(Job& j) {
   const DataConfig& d = j.config.data;
   const TrainingConfig& t = j.config.training;
@@ -55,13 +83,9 @@ void open_data(Job& j) {
       *j.source, SamplerOptions{t.seq_len, t.local_batch_size, j.ranks.rank, j.ranks.world_size,
                                 static_cast<uint64_t>(t.seed)});
   j.validator = make_validator(j.config, j.ranks, j.device);
-  std::vector<int64_t> excluded;
-  if (!d.exclude_ids_file.empty()) {
-    excluded = read_id_file(d.exclude_ids_file);
-    j.sampler->set_excluded(excluded, d.exclude_ids_file);
-    log::info("data: {} sample ids excluded by {}", excluded.size(), d.exclude_ids_file);
-  }
-  j.fingerprint = job_fingerprint(j.config, *j.source, excluded);
+  exclude_samples(j, {});
+  if (!j.excluded.empty())
+    log::info("data: {} sample ids excluded by {}", j.excluded.size(), exclusion_origin(d, false));
 }
 
 // The model, data parallelism over its parameters (with the optimizer), and the checks:
@@ -213,6 +237,11 @@ void load(Job& j, int64_t step) {
   for (const auto& w : check_resume(meta.at("config"), meta.at("world_size").get<int64_t>(),
                                     j.config, j.ranks.world_size))
     log::warn_shared("{}", w);
+  const auto carried = meta.value("excluded_ids", nlohmann::json::array());
+  exclude_samples(j, carried.get<std::vector<int64_t>>());
+  if (!carried.empty())
+    log::info("data: {} sample ids excluded by {} (data.readmit_ids_file lets ids go)",
+              j.excluded.size(), exclusion_origin(j.config.data, true));
   for (const auto& w : check_same_data(meta.value("fingerprint", nlohmann::json::object()),
                                        j.fingerprint, j.config.checkpoint.allow_data_change))
     log::warn_shared("{}", w);
@@ -273,6 +302,7 @@ void resume(Job& j) {
   }
   j.state.world_size = j.ranks.world_size;
   j.state.fingerprint = j.fingerprint.to_json();
+  j.state.excluded_ids = j.excluded;
   log::info("lockstep: model {}, {} parameters, device {}, {} threads, data: {}",
             name_of(j.config.model.name), with_commas(j.model->num_parameters()), j.device.str(),
             at::get_num_threads(), j.source->describe());

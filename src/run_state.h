@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -33,6 +34,7 @@ struct TrainState : RunCounters {
   nlohmann::json detector = nlohmann::json::object();    // SkipDetector::state(); {} = fresh
   nlohmann::json loss_scale = nlohmann::json::object();  // its loss_scale_state(); {} = fresh
   nlohmann::json fingerprint = nlohmann::json::object();  // the job's (fingerprint.h); {} = none
+  std::vector<int64_t> excluded_ids;  // the sample ids never drawn, sorted (the quarantine)
 };
 
 // A counter's name in meta.json, metrics.jsonl and events, and whether every checkpoint holds

@@ -145,7 +145,7 @@ std::vector<std::string> check_resume(const nlohmann::json& saved_config, int64_
                                    fmt::join(order, ", ")));
   std::vector<std::string> batch;
   for (auto [s, k] : {std::pair{"training", "local_batch_size"},
-                      {"training", "gradient_accumulation_steps"}, {"data", "exclude_ids_file"}})
+                      {"training", "gradient_accumulation_steps"}})
     if (changed(s, k)) batch.push_back(change_text(s, k));
   if (saved_world != world) batch.push_back(fmt::format("world size {} -> {}", saved_world, world));
   if (batch.empty()) return warnings;

@@ -44,7 +44,7 @@ std::string prepare_fresh_start(const std::string& run_dir, const std::string& c
 // Changes of the seed, seq_len or the data (source, path, format, corpus length) would make the
 // data position point at other samples: refused (ConfigError) unless
 // checkpoint.allow_data_change. Other changes of the batch (local batch, accumulation, world
-// size, excluded ids) keep the data order and are returned as warnings.
+// size) keep the data order and are returned as warnings (other excluded ids: check_same_data).
 std::vector<std::string> check_resume(const nlohmann::json& saved, int64_t saved_world,
                                       const Config& config, int world);
 

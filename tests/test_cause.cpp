@@ -195,6 +195,7 @@ TEST(CauseRun, AGlobalSpikeTrainsThroughWithDefaultSettings) {
     EXPECT_EQ(e["cause"], "instability");
     EXPECT_EQ(e["culprit_ranks"], json::array());
     EXPECT_EQ(e["suspect_sample_ids"], json::array());
+    EXPECT_EQ(e["quarantine_sample_ids"], json::array()) << "a global instability quarantines nothing";
   }
   const auto metrics = read_jsonl(dir / "metrics.jsonl");
   EXPECT_EQ(metrics.back()["clipped_steps"], 2);
@@ -321,7 +322,8 @@ void expect_salvage(const std::string& mode) {
   const auto events = read_jsonl(dir / "salvage/diagnostics/rank2.jsonl");
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0]["dropped_ranks"], json::array({2}));
-  EXPECT_EQ(events[0]["suspect_sample_ids"].size(), 1u) << "the poisoned sample only";
+  EXPECT_EQ(events[0]["quarantine_sample_ids"].size(), 1u) << "the poisoned sample only";
+  EXPECT_EQ(events[0]["suspect_sample_ids"].size(), 0u);
 }
 
 }  // namespace

@@ -166,6 +166,7 @@ TEST(Precision, Fp16OverflowSkipsBacksOffGrowsAndResumesBitwise) {
       EXPECT_EQ(e["decision"], "skip");
       EXPECT_TRUE(e["culprit_ranks"].empty());
       EXPECT_TRUE(e["suspect_sample_ids"].empty());
+      EXPECT_TRUE(e["quarantine_sample_ids"].empty());
     }
   }
   EXPECT_EQ(test::run_lockstep("diag " + straight).out.find("quarantine:"), std::string::npos);

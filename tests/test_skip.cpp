@@ -10,6 +10,8 @@
 #include "lockstep/data.h"
 #include "lockstep/error.h"
 #include "decide/detector.h"
+#include "decide/exchange.h"
+#include "diag/explain.h"
 #include "run_state.h"
 #include "detector_util.h"
 #include "test_util.h"
@@ -288,6 +290,40 @@ TEST(Quarantine, IdFileReadsCommentsAndRejectsGarbage) {
     EXPECT_NE(std::string(e.what()).find("bad.txt' line 2"), std::string::npos) << e.what();
   }
   EXPECT_THROW(read_id_file(dir / "missing.txt"), InputError);
+}
+
+// Quarantine only on sample-level evidence (issue 25): a culprit batch that reproduced its
+// anomaly with no sample standing out is suspect, not quarantined (on main the whole batch of an
+// innocent rank, caught up in a real instability, was quarantined); a global anomaly blames no
+// sample even when losses are NaN everywhere.
+TEST(Quarantine, OnlySampleLevelEvidenceQuarantines) {
+  SampleTable t;
+  t.ids = {{10, 11, 12, 13}, {20, 21, 22, 23}};
+  t.losses = {{2.0, 2.1, 1.9, 2.0}, {2.0, 2.05, 1.95, 2.02}};
+  Verdict v;
+  v.scope = "local";
+  v.cause = kCauseData;  // the replay reproduced rank 1's elevated gradient
+  v.culprit_ranks = {1};
+  SampleEvidence e = judge_samples(v, t, 6.0);
+  EXPECT_TRUE(e.quarantine.empty()) << "a reproduction is no evidence against any one sample";
+  EXPECT_EQ(e.suspect, (std::vector<int64_t>{20, 21, 22, 23}));
+  // A sample whose own loss is NaN, or far above its batch's: quarantined, its batch-mates not.
+  t.losses[1] = {2.0, kNaN, 1.95, 40.0};
+  e = judge_samples(v, t, 6.0);
+  EXPECT_EQ(e.quarantine, (std::vector<int64_t>{21, 23}));
+  EXPECT_TRUE(e.suspect.empty());
+  // Without a replay (cause unknown) a batch with no outlier names nobody.
+  t.losses[1] = {2.0, 2.05, 1.95, 2.02};
+  v.cause = "";
+  e = judge_samples(v, t, 6.0);
+  EXPECT_TRUE(e.quarantine.empty() && e.suspect.empty());
+  // A global instability never quarantines, not even NaN losses.
+  t.losses = {{kNaN, kNaN, kNaN, kNaN}, {kNaN, kNaN, kNaN, kNaN}};
+  v.scope = "global";
+  v.cause = kCauseInstability;
+  v.culprit_ranks = {0, 1};
+  e = judge_samples(v, t, 6.0);
+  EXPECT_TRUE(e.quarantine.empty() && e.suspect.empty());
 }
 
 // The counters of a decided step (run_state.h's count): a skip or an abort drops nothing from

@@ -102,8 +102,8 @@ TEST(SkipRun, NonfiniteWithSkippingOffAbortsWithCheckpointAndDiagnostics) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0]["decision"], "abort");
   // The culprit sample is the one whose own loss is NaN.
-  ASSERT_EQ(events[0]["suspect_sample_ids"].size(), 1u);
-  EXPECT_EQ(events[0]["suspect_sample_ids"][0], events[0]["local"]["sample_ids"][0]);
+  ASSERT_EQ(events[0]["quarantine_sample_ids"].size(), 1u);
+  EXPECT_EQ(events[0]["quarantine_sample_ids"][0], events[0]["local"]["sample_ids"][0]);
 }
 
 TEST(SkipRun, ConsecutiveGuardAbortsAndKeepsTheLastGoodState) {
@@ -174,13 +174,47 @@ TEST(SkipRun, PoisonedSampleIsNamedAndAQuarantinedResumeNeverDrawsIt) {
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0]["step"], 3);
   EXPECT_EQ(events[0]["reasons"], json::array({"nonfinite_grad", "nonfinite_loss"}));
-  EXPECT_EQ(events[0]["suspect_sample_ids"], json::array({poison}));
+  EXPECT_EQ(events[0]["quarantine_sample_ids"], json::array({poison}));
+  EXPECT_EQ(events[0]["suspect_sample_ids"], json::array());
   test::write_bytes(dir / "q.txt", "# quarantine\n" + std::to_string(poison) + "\n");
   TrainResult r = train(job(dir / "excluded", 6,
                             {{"checkpoint.enable", "false"},
                              {"fault.poison_ids", std::to_string(poison)},
                              {"data.exclude_ids_file", dir / "q.txt"}}));
   EXPECT_EQ(r.skipped_steps, 0);
+}
+
+// A quarantine stays in force: the checkpoint carries the exclude list, a resume without
+// data.exclude_ids_file keeps excluding the ids, and only data.readmit_ids_file lets them go.
+TEST(SkipRun, TheExcludeListTravelsInTheCheckpointUntilReadmitted) {
+  test::TempDir dir;
+  // 32 samples of 32 tokens, 4 a step: 8 steps an epoch; sample 5's loss is NaN when drawn.
+  const std::vector<Override> small = {{"data.synthetic_tokens", "1025"},
+                                             {"checkpoint.interval", "4"},
+                                             {"fault.poison_ids", "5"}};
+  auto with = [&](std::vector<Override> more) {
+    more.insert(more.begin(), small.begin(), small.end());
+    return more;
+  };
+  test::write_bytes(dir / "q.txt", "5\n");
+  TrainResult r = train(job(dir.path(), 8, with({{"data.exclude_ids_file", dir / "q.txt"}})));
+  EXPECT_EQ(r.skipped_steps, 0);
+  EXPECT_EQ(meta(dir / "checkpoint/step-8")["excluded_ids"], json::array({5}));
+  // Resumed without the file: two more epochs, sample 5 never drawn.
+  r = train(job(dir.path(), 24, with({})));
+  EXPECT_EQ(r.skipped_steps, 0) << "a resume without data.exclude_ids_file drew the quarantine";
+  EXPECT_EQ(meta(dir / "checkpoint/step-24")["excluded_ids"], json::array({5}));
+  // Readmitted: within 12 steps (48 draws, more than an epoch) the poisoned sample is back.
+  r = train(job(dir.path(), 36, with({{"data.readmit_ids_file", dir / "q.txt"}})));
+  EXPECT_GE(r.skipped_steps, 1) << "sample 5 was readmitted but never drawn";
+  EXPECT_EQ(meta(dir / "checkpoint/step-36")["excluded_ids"], json::array());
+  // A readmit file that cannot be read is named by its key.
+  try {
+    train(job(dir.path(), 40, with({{"data.readmit_ids_file", dir / "none.txt"}})));
+    ADD_FAILURE() << "a missing data.readmit_ids_file was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.readmit_ids_file"), std::string::npos) << e.what();
+  }
 }
 
 // ---- several ranks ------------------------------------------------------------------------
@@ -321,9 +355,17 @@ TEST(SkipDiag, DiagNamesTheCulpritRankAndSamplesAndReportDrawsThePicture) {
       << d.out;
   EXPECT_NE(d.out.find("rank 1: culprit in 1 event(s) (nonfinite_grad 1)"), std::string::npos)
       << d.out;
-  // The quarantine holds rank 1's batch of step 12.
+  // Rank 1's batch of step 12 reproduced its NaN but no sample's own loss stands out: suspect,
+  // named, not quarantined (a reproduction proves "not transient", not "bad sample").
   auto events = read_jsonl(dir / "diagnostics/rank1.jsonl");
   ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0]["quarantine_sample_ids"], json::array());
+  EXPECT_EQ(events[0]["suspect_sample_ids"], events[0]["local"]["sample_ids"]);
+  EXPECT_NE(d.out.find("suspect samples, not quarantined"), std::string::npos) << d.out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "quarantine.txt")) << d.out;
+  // Who wants them out anyway says so.
+  d = test::capture(std::string(LOCKSTEP_BIN) + " diag --with-suspects " + dir.path());
+  ASSERT_EQ(d.code, 0) << d.out;
   std::set<int64_t> quarantined;
   for (int64_t id : read_id_file(dir / "quarantine.txt")) quarantined.insert(id);
   EXPECT_EQ(quarantined.size(), 4u);

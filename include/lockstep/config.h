@@ -168,6 +168,7 @@ struct DataConfig {
   TokenFormat format = TokenFormat::kAuto;
   int64_t synthetic_tokens = 1 << 20;
   std::string exclude_ids_file = "";  // sample ids never drawn (one per line; `lockstep diag`)
+  std::string readmit_ids_file = "";  // ids the resumed checkpoint's exclude list lets go
 };
 
 struct ParallelismConfig {

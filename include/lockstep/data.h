@@ -125,7 +125,8 @@ class Sampler {
 };
 
 // Reads a file of sample ids, one per line ('#' starts a comment). Throws InputError naming
-// the file and line.
-std::vector<int64_t> read_id_file(const std::string& path);
+// the file and line (and `key`, the config key that named the file, when it cannot be read).
+std::vector<int64_t> read_id_file(const std::string& path,
+                                  const char* key = "data.exclude_ids_file");
 
 }  // namespace lockstep

@@ -141,6 +141,14 @@ json read_meta(const std::string& dir) {
     for (const char* k : {"grad_norms", "losses", "consecutive_skips", "recent"})
       c.get(detector, k, std::string("detector.") + k);
   if (meta.contains("loss_scale")) c.object("loss_scale");
+  if (meta.contains("excluded_ids")) {
+    const json& ids = meta["excluded_ids"];
+    if (!ids.is_array()) c.fail("excluded_ids", "is not a JSON array");
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (!ids[i].is_number_integer() || ids[i].get<int64_t>() < 0)
+        c.fail(fmt::format("excluded_ids[{}]", i),
+               fmt::format("is {}, not a sample id (an integer >= 0)", ids[i].dump()));
+  }
   return meta;
 }
 
@@ -150,6 +158,7 @@ TrainState state_of(const json& meta) {
   s.detector = meta.at("detector");
   s.loss_scale = meta.value("loss_scale", json::object());
   s.fingerprint = meta.value("fingerprint", json::object());
+  s.excluded_ids = meta.value("excluded_ids", json::array()).get<std::vector<int64_t>>();
   return s;
 }
 
@@ -183,6 +192,7 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
                {"detector", state.detector},
                {"loss_scale", state.loss_scale},
                {"fingerprint", state.fingerprint},
+               {"excluded_ids", state.excluded_ids},
                {"rng", {{"cpu", rng_hex}}},
                {"config", config},
                {"checksums", checksums}});

@@ -174,19 +174,19 @@ void Sampler::set_excluded(const std::vector<int64_t>& ids, const std::string& o
         origin, count, num_samples_, opt_.local_batch_size * opt_.world_size));
 }
 
-std::vector<int64_t> read_id_file(const std::string& path) {
+std::vector<int64_t> read_id_file(const std::string& path, const char* key) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))
-    throw InputError(fmt::format("cannot read sample id file '{}': {}; check "
-                                 "data.exclude_ids_file",
-                                 path, ::stat(path.c_str(), &st) != 0
+    throw InputError(fmt::format("cannot read sample id file '{}': {}; check {}", path,
+                                 ::stat(path.c_str(), &st) != 0
                                            ? "no such file or not readable"
-                                           : "not a regular file (a directory, FIFO or device)"));
+                                           : "not a regular file (a directory, FIFO or device)",
+                                 key));
   std::ifstream in(path);
   if (!in)
     throw InputError(fmt::format("cannot read sample id file '{}': no such file or not "
-                                 "readable; check data.exclude_ids_file",
-                                 path));
+                                 "readable; check {}",
+                                 path, key));
   std::vector<int64_t> ids;
   std::string line;
   for (int64_t n = 1; std::getline(in, line); ++n) {

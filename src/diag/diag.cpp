@@ -70,6 +70,7 @@ json event_summary(int64_t step, const std::map<int64_t, json>& ranks) {
              {"dropped_ranks", any["dropped_ranks"]},
              {"hardware_suspects", any["hardware_suspects"]},
              {"replays", any["replays"]},
+             {"quarantine_sample_ids", any.value("quarantine_sample_ids", json::array())},
              {"suspect_sample_ids", any["suspect_sample_ids"]},
              {"ranks_reporting", ranks.size()}};
   json per_rank = json::array();
@@ -174,17 +175,23 @@ json diagnose(const std::string& run_dir) {
     }
   json events = json::array();
   std::map<std::string, int64_t> decisions;
-  std::map<int64_t, int64_t> samples;  // suspect sample id -> events naming it
+  // sample id -> events naming it: with sample-level evidence (quarantined), or in a batch that
+  // reproduced its anomaly with no sample standing out (suspect, not quarantined)
+  std::map<int64_t, int64_t> bad, suspect;
   for (auto& [step, ranks] : by_step) {
     json ev = event_summary(step, ranks);
     decisions[ev["decision"].get<std::string>()] += 1;
-    for (const auto& id : ev["suspect_sample_ids"]) samples[id.get<int64_t>()] += 1;
+    for (const auto& id : ev["quarantine_sample_ids"]) bad[id.get<int64_t>()] += 1;
+    for (const auto& id : ev["suspect_sample_ids"]) suspect[id.get<int64_t>()] += 1;
     events.push_back(std::move(ev));
   }
-  json tally = json::array();
-  for (const auto& [id, n] : samples) tally.push_back({{"id", id}, {"events", n}});
+  const auto tally = [](const std::map<int64_t, int64_t>& ids) {
+    json t = json::array();
+    for (const auto& [id, n] : ids) t.push_back({{"id", id}, {"events", n}});
+    return t;
+  };
   std::vector<int64_t> quarantine;
-  for (const auto& [id, n] : samples) quarantine.push_back(id);
+  for (const auto& [id, n] : bad) quarantine.push_back(id);
   return {{"run_dir", run_dir},
           {"world_size", world},
           {"events", events},
@@ -194,7 +201,8 @@ json diagnose(const std::string& run_dir) {
           {"salvages", decisions["salvage"]},
           {"per_rank", rank_tally(events, world)},
           {"hardware_suspects", suspects_table(events)},
-          {"samples", tally},
+          {"samples", tally(bad)},
+          {"suspects", tally(suspect)},
           {"quarantine", quarantine}};
 }
 
@@ -248,6 +256,21 @@ std::string culprit_line(const json& pr, const json& thresholds) {
                      params.empty() ? "-" : fmt::format("{}", fmt::join(params, ", ")));
 }
 
+// "<title>: 3015 x2, 77 x1, ..." (the most named first), or "" for none.
+std::string ids_line(const std::string& title, const json& tally) {
+  if (tally.empty()) return "";
+  std::vector<json> ids(tally.begin(), tally.end());
+  std::stable_sort(ids.begin(), ids.end(), [](const json& a, const json& b) {
+    return a["events"].get<int64_t>() > b["events"].get<int64_t>();
+  });
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ids.size() && i < 12; ++i)
+    parts.push_back(
+        fmt::format("{} x{}", ids[i]["id"].get<int64_t>(), ids[i]["events"].get<int64_t>()));
+  return fmt::format("{}: {}{}\n", title, fmt::join(parts, ", "),
+                     ids.size() > 12 ? fmt::format(", ... {} in all", ids.size()) : "");
+}
+
 std::string format_event(const json& ev) {
   const auto reasons = ev["reasons"].get<std::vector<std::string>>();
   const auto culprits = ev["culprit_ranks"].get<std::vector<int64_t>>();
@@ -270,8 +293,12 @@ std::string format_event(const json& ev) {
   for (int64_t c : culprits)
     if (const std::string r = evidence_of(ev, c); !r.empty())
       out += fmt::format("             replay of rank {}'s batch: {}\n", c, r);
+  const auto bad = ev["quarantine_sample_ids"].get<std::vector<int64_t>>();
+  if (!bad.empty()) out += fmt::format("             bad samples: [{}]\n", fmt::join(bad, ", "));
   const auto ids = ev["suspect_sample_ids"].get<std::vector<int64_t>>();
-  if (!ids.empty()) out += fmt::format("             suspect samples: [{}]\n", fmt::join(ids, ", "));
+  if (!ids.empty())
+    out += fmt::format("             suspect batch (no sample stands out: not quarantined): [{}]\n",
+                       fmt::join(ids, ", "));
   return out;
 }
 
@@ -293,18 +320,10 @@ std::string format_diagnosis(const json& d) {
                        r["culprit_in"].get<int64_t>(),
                        parts.empty() ? "" : fmt::format(" ({})", fmt::join(parts, ", ")));
   }
-  if (!d["samples"].empty()) {  // the most named first
-    std::vector<json> samples(d["samples"].begin(), d["samples"].end());
-    std::stable_sort(samples.begin(), samples.end(), [](const json& a, const json& b) {
-      return a["events"].get<int64_t>() > b["events"].get<int64_t>();
-    });
-    std::vector<std::string> parts;
-    for (size_t i = 0; i < samples.size() && i < 12; ++i)
-      parts.push_back(fmt::format("{} x{}", samples[i]["id"].get<int64_t>(),
-                                  samples[i]["events"].get<int64_t>()));
-    out += fmt::format("suspect samples (events naming each): {}{}\n", fmt::join(parts, ", "),
-                       samples.size() > 12 ? fmt::format(", ... {} in all", samples.size()) : "");
-  }
+  out += ids_line("bad samples, quarantined (events naming each)", d["samples"]);
+  out += ids_line("suspect samples, not quarantined: their batch reproduced its anomaly but none "
+                  "stands out (events naming each)",
+                  d["suspects"]);
   if (!d["hardware_suspects"].empty()) {
     out += "hardware suspects (rank, host, device, steps, evidence):\n";
     for (const auto& h : d["hardware_suspects"])
@@ -318,7 +337,8 @@ std::string format_diagnosis(const json& d) {
 
 void write_quarantine(const std::string& path, const json& d) {
   std::string text = fmt::format(
-      "# lockstep quarantine: suspect sample ids from the skip and abort events of {}\n"
+      "# lockstep quarantine: the bad sample ids (their own loss nonfinite or an outlier in its\n"
+      "# batch) of the skip and abort events of {}\n"
       "# resume without them: lockstep train ... --data.exclude_ids_file {}\n",
       d["run_dir"].get<std::string>(), path);
   for (const auto& id : d["quarantine"]) text += fmt::format("{}\n", id.get<int64_t>());

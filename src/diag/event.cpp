@@ -163,6 +163,7 @@ json to_json(const Event& e) {
           {"local", to_json(e.local)},
           {"ranks", ranks},
           {"culprit_ranks", e.culprit_ranks},
+          {"quarantine_sample_ids", e.quarantine_sample_ids},
           {"suspect_sample_ids", e.suspect_sample_ids},
           {"lr", json_number(e.lr)},
           {"counters", counters_json(e.counters)}};
@@ -193,6 +194,9 @@ Event event_from_json(const json& j) {
   e.local = local_from_json(j.at("local"));
   for (const auto& r : j.at("ranks")) e.ranks.push_back(row_from_json(r));
   e.culprit_ranks = j.at("culprit_ranks").get<std::vector<int>>();
+  // Events written before the quarantine/suspect split hold suspect ids only.
+  e.quarantine_sample_ids =
+      j.value("quarantine_sample_ids", json::array()).get<std::vector<int64_t>>();
   e.suspect_sample_ids = j.at("suspect_sample_ids").get<std::vector<int64_t>>();
   e.lr = number_from_json(j.at("lr"));
   const json& c = j.at("counters");

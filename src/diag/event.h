@@ -77,7 +77,8 @@ struct Event {
   Local local;
   std::vector<RankRow> ranks;
   std::vector<int> culprit_ranks;
-  std::vector<int64_t> suspect_sample_ids;
+  std::vector<int64_t> quarantine_sample_ids;  // sample-level evidence (explain.h)
+  std::vector<int64_t> suspect_sample_ids;     // a reproduced batch, no sample standing out
   std::vector<Replay> replays;
   std::vector<int> hardware_suspects, dropped_ranks;
   double lr = kNaN;

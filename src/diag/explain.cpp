@@ -73,16 +73,14 @@ std::vector<size_t> outlying_samples(const std::vector<double>& losses, double z
 
 }  // namespace
 
-std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& t, double zscore) {
-  std::vector<int64_t> out;
+SampleEvidence judge_samples(const Verdict& v, const SampleTable& t, double zscore) {
+  SampleEvidence out;
+  if (v.scope == "global") return out;  // the model, not a batch
   const bool data = v.cause.find(kCauseData) != std::string::npos;
   for (int r : v.culprit_ranks) {
     const std::vector<size_t> bad = outlying_samples(t.losses[r], zscore > 0 ? zscore : 6.0);
-    if (!bad.empty()) {
-      for (size_t i : bad) out.push_back(t.ids[r][i]);
-    } else if (data) {  // the replay reproduced it: the batch is the cause, no sample stands out
-      out.insert(out.end(), t.ids[r].begin(), t.ids[r].end());
-    }
+    for (size_t i : bad) out.quarantine.push_back(t.ids[r][i]);
+    if (bad.empty() && data) out.suspect.insert(out.suspect.end(), t.ids[r].begin(), t.ids[r].end());
   }
   return out;
 }
@@ -150,7 +148,9 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
              device_};
   e.ranks = rank_rows(table, v);
   e.culprit_ranks = v.culprit_ranks;
-  e.suspect_sample_ids = suspect_samples(v, samples, thresholds_.loss_zscore);
+  SampleEvidence evidence = judge_samples(v, samples, thresholds_.loss_zscore);
+  e.quarantine_sample_ids = std::move(evidence.quarantine);
+  e.suspect_sample_ids = std::move(evidence.suspect);
   e.replays = replays_of(v);
   e.hardware_suspects = v.hardware_suspects;
   e.dropped_ranks = v.dropped_ranks;
@@ -187,6 +187,17 @@ std::string scope_text(const Event& e) {
   return out;
 }
 
+// "bad samples [3015]", "suspect batch [...] (...)", both, or "no sample stands out".
+std::string samples_text(const Event& e) {
+  std::vector<std::string> parts;
+  if (!e.quarantine_sample_ids.empty())
+    parts.push_back("bad samples " + brief_ids(e.quarantine_sample_ids));
+  if (!e.suspect_sample_ids.empty())
+    parts.push_back(fmt::format("suspect batch {} (no sample stands out: not quarantined)",
+                                brief_ids(e.suspect_sample_ids)));
+  return parts.empty() ? "no sample stands out" : fmt::format("{}", fmt::join(parts, "; "));
+}
+
 std::string numbers_text(const Event& e) {
   return fmt::format("grad_norm {:.4g}, {} nonfinite, loss {:.4g}", e.global.grad_norm,
                      static_cast<int64_t>(e.global.nonfinite), e.global.loss);
@@ -195,7 +206,7 @@ std::string numbers_text(const Event& e) {
 // How to go past the guard that fired, and what it means.
 std::string guard_hint(const Event& e, const std::string& run_dir) {
   const std::string exclude = fmt::format(
-      "exclude the suspect samples with `lockstep diag {}` and data.exclude_ids_file", run_dir);
+      "exclude the bad samples with `lockstep diag {}` and data.exclude_ids_file", run_dir);
   if (e.guard.rfind("skip.enabled", 0) == 0)
     return exclude + ", or set skip.enabled = true to skip such steps";
   if (e.guard.rfind("skip.on_global_spike", 0) == 0)
@@ -229,9 +240,9 @@ std::string skip_message(const Event& e) {
   if (e.decision == "salvage")
     return fmt::format(
         "step {}: SALVAGE ({}) | {} | rank{} {} contributed nothing, the other ranks stepped "
-        "(mean over their tokens) | samples {} | salvaged {} of {}, {} contributions dropped",
+        "(mean over their tokens) | {} | salvaged {} of {}, {} contributions dropped",
         e.step, fmt::join(e.reasons, ", "), scope_text(e), e.dropped_ranks.size() > 1 ? "s" : "",
-        fmt::join(e.dropped_ranks, ", "), brief_ids(e.suspect_sample_ids),
+        fmt::join(e.dropped_ranks, ", "), samples_text(e),
         e.counters.salvaged_steps, e.step, e.counters.dropped_contributions);
   if (e.decision == "step")
     return fmt::format(
@@ -239,10 +250,9 @@ std::string skip_message(const Event& e) {
         "taken",
         e.step, fmt::join(e.reasons, ", "), scope_text(e));
   return fmt::format(
-      "step {}: SKIP ({}) | {} | {} | samples {} | weights and optimizer state untouched; "
+      "step {}: SKIP ({}) | {} | {} | {} | weights and optimizer state untouched; "
       "skipped {} of {}",
-      e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e),
-      brief_ids(e.suspect_sample_ids), e.counters.skipped_steps, e.step);
+      e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), samples_text(e), e.counters.skipped_steps, e.step);
 }
 
 std::string abort_message(const Event& e, const std::string& saved, const std::string& run_dir) {
@@ -254,10 +264,10 @@ std::string abort_message(const Event& e, const std::string& saved, const std::s
         "train in bfloat16 (training.mixed_precision_param)",
         e.step, e.guard, static_cast<int64_t>(e.global.nonfinite), e.global.loss_scale,
         e.counters.overflow_skips, saved);
-  return fmt::format("step {}: aborted on {} ({}) | {} | {} | samples {} | {}; details in "
+  return fmt::format("step {}: aborted on {} ({}) | {} | {} | {} | {}; details in "
                      "{}/diagnostics; {}",
                      e.step, fmt::join(e.reasons, ", "), e.guard, numbers_text(e), scope_text(e),
-                     brief_ids(e.suspect_sample_ids), saved, run_dir, guard_hint(e, run_dir));
+                     samples_text(e), saved, run_dir, guard_hint(e, run_dir));
 }
 
 }  // namespace lockstep

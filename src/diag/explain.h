@@ -33,10 +33,16 @@ struct RankStep {
   bool losses_read = false, local_read = false, shard_read = false;
 };
 
-// The samples to blame, in the culprit ranks' batches (local anomalies only): those whose own
-// loss is an outlier in their batch (nonfinite, or above median + z x 1.4826 MAD, z =
-// `zscore`); when none stands out and a replay proved the batch is the cause (data), all of it.
-std::vector<int64_t> suspect_samples(const Verdict& v, const SampleTable& samples, double zscore);
+// What a step's evidence says of the culprit ranks' samples (local anomalies only: a global
+// one blames no sample). `quarantine`: the samples whose own loss stands out in their batch
+// (nonfinite, or above median + z x 1.4826 MAD, z = `zscore`): sample-level evidence.
+// `suspect`: the batch of a culprit none of whose samples stands out, when a replay reproduced
+// the anomaly (cause data); a reproduction proves "not transient", not "bad sample", so these
+// are named, not quarantined.
+struct SampleEvidence {
+  std::vector<int64_t> quarantine, suspect;
+};
+SampleEvidence judge_samples(const Verdict& v, const SampleTable& samples, double zscore);
 
 // The parameters to name: most nonfinite elements first, then the largest norms, at most k.
 // `scale`: the loss scale the checked gradients carry (norms are reported unscaled).
