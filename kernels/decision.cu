@@ -1,5 +1,5 @@
 // The step decision's shared core (kernels/decision.h) as one small kernel: a few hundred fp64
-// operations on one thread over a [W, 8] table and the windows (each rank's own read only on an
+// operations on one thread over a [W, 9] table and the windows (each rank's own read only on an
 // anomalous step), then each rank's windows advanced by a thread of its own; launched on the
 // step's stream, so the verdict, found_inf and grad_scale are written on the device without a
 // host round trip.

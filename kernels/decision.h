@@ -41,7 +41,8 @@ enum StatsField : int {
   kStopRequested = 5,  // 1: stop after this step; 2: a stop cut this rank's step short
   kOverflowRuns = 6,
   kBadSamples = 7,
-  kStatsDoubles = 8
+  kComputeSeconds = 8,  // stragglers only (diag/stragglers.h); no decision reads it
+  kStatsDoubles = 9
 };
 
 LOCKSTEP_HD inline double nan_value() {

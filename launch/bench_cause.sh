@@ -62,6 +62,6 @@ print(f"probe: {per_probe:.2f} ms per probe (rank 0's own recomputation: "
       f"N=10 {per_probe / (10 * base) * 100:.2f} %, N=100 {per_probe / (100 * base) * 100:.3f} %, "
       f"N=1000 {per_probe / (1000 * base) * 100:.4f} %")
 PY
-echo "the exchange's own latency (all-gather of 64 B x 2 ranks, best of 50 after warm-up):"
-"$bin/lockstep-run" --nproc-per-node 2 -- "$bin/lockstep" bench comm --ops all_gather --sizes 128 \
+echo "the exchange's own latency (all-gather of 72 B x 2 ranks, best of 50 after warm-up):"
+"$bin/lockstep-run" --nproc-per-node 2 -- "$bin/lockstep" bench comm --ops all_gather --sizes 144 \
   --iters 50 2>&1 | grep -E "^(\[rank 0\] )?all_gather"

@@ -56,5 +56,5 @@ print(f"wall: off {1e3 * w0 / steps:.2f} ms/step, on {1e3 * w1 / steps:.2f} ms/s
 print(f"cpu:  off {c0:.2f} s, on {c1:.2f} s, on/off {c1 / c0:.3f}")
 print(f"decision, measured in the trainer: off {d0:.3f} ms/step, on {d1:.3f} ms/step; "
       f"the machinery on adds {d1 - d0:.3f} ms to a {s1:.1f} ms step = {(d1 - d0) / s1 * 100:.2f} % (target <= 2 %)")
-print("collectives per step: one all-gather of 64 B per rank on both sides; a second one (sample ids) only on anomalous steps")
+print("collectives per step: one all-gather of 72 B per rank on both sides; a second one (sample ids) only on anomalous steps")
 PY

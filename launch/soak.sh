@@ -74,7 +74,7 @@ def events(rank):
     for line in open(f"{run}/diagnostics/rank{rank}.jsonl"):
         e = json.loads(line)
         out[e["step"]] = (e["decision"], tuple(e["reasons"]), tuple(e["culprit_ranks"]),
-                          tuple(e.get("suspect_sample_ids", [])))
+                          tuple(e.get("quarantine_sample_ids", [])))
     return out
 
 ok = True

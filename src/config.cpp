@@ -461,6 +461,13 @@ void diagnostics_and_fault_fields(std::vector<Field>& t) {
                         "recomputes its neighbour's batch and compares bit for bit; 0 = off"));
   t.push_back(int_field("diagnostics", "top_params", &C::diagnostics, &G::top_params, 0, 1 << 20,
                         "parameters named per skip or abort event"));
+  t.push_back(float_field("diagnostics", "straggler_factor", &C::diagnostics,
+                          &G::straggler_factor, 0, false, kInf,
+                          "name a rank whose compute time (forward, backward, its check; median "
+                          "over straggler_window steps) is this many times the other ranks' "
+                          "median, in the progress line, metrics and diag; 0 = off"));
+  t.push_back(int_field("diagnostics", "straggler_window", &C::diagnostics, &G::straggler_window,
+                        1, kMaxInt, "steps of compute times the straggler test compares"));
   t.push_back(string_field("fault", "inject", &C::fault, &F::inject,
                            "faults at given steps: \"KIND@STEP:RANK, ...\" (1-based steps as "
                            "logged), KIND a fault kind of the table below (tests and demos)"));
@@ -475,6 +482,11 @@ void diagnostics_and_fault_fields(std::vector<Field>& t) {
   t.push_back(string_field("fault", "random_kinds", &C::fault, &F::random_kinds,
                            "fault kinds (the table below) the random faults draw from, "
                            "comma-separated"));
+  t.push_back(string_field("fault", "slow_ranks", &C::fault, &F::slow_ranks,
+                           "ranks whose compute sleeps fault.slow_ms every step (a straggler): "
+                           "\"R, R, ...\""));
+  t.push_back(float_field("fault", "slow_ms", &C::fault, &F::slow_ms, 0, false, 1e6,
+                          "milliseconds a slow rank sleeps in its compute each step"));
 }
 
 // Every key, in the order `config show` prints them.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <set>
+#include <thread>
 
 #include "clock.h"
 #include "fsutil.h"
@@ -170,6 +171,8 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.ranks = discover_ranks();
   j.lead = j.ranks.rank == 0;
   j.run_dir = c.job.dump_folder;
+  j.startup_signals = std::make_unique<StartupSignals>();
+  const std::string log_file = fmt::format("{}/logs/rank{}.log", j.run_dir, j.ranks.rank);
   start_logging(j);
   j.device = resolve_device(c.training.device, j.ranks.local_rank);
   // Everything a rank can check alone is checked before the rendezvous (a bad data file must
@@ -182,6 +185,7 @@ std::unique_ptr<Job> build_job(const Config& config) {
     if (!j.lock->previous_holder().empty())
       log::warn("run folder {}: took over the lock of a run that ended without releasing it ({})",
                 j.run_dir, j.lock->previous_holder());
+    StartupSignals::log_to(log_file);  // the folder is this run's
   }
   connect_ranks(j);
   if (j.comm) {  // before any collective whose size the config sets
@@ -190,10 +194,17 @@ std::unique_ptr<Job> build_job(const Config& config) {
     log::info("the {} ranks run the same job (fingerprint {} of {} keys, agreed in {:.1f} ms)",
               j.ranks.world_size, j.fingerprint.digest(), j.fingerprint.items.size(),
               seconds_since(start) * 1e3);
+    StartupSignals::log_to(log_file);  // rank 0 holds the folder for this very job
   }
   // Before anything is allocated (the ranks run the same job: they all refuse alike).
   check_memory_plan(c, j.ranks.world_size, j.ranks.local_world_size, j.device);
-  set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
+  const int threads = set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
+  if (c.training.threads == 0)
+    if (const std::string busy =
+            busy_machine_warning(load_average(), static_cast<int>(std::thread::hardware_concurrency()),
+                                 j.ranks.local_world_size, threads);
+        !busy.empty())
+      log::warn_shared("{}", busy);
   if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   build_model(j);
@@ -206,6 +217,9 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
                                             j.dp->grads(), hostname(), j.device.str());
   j.schedule = schedule_of(c);
+  j.compute_clock = std::make_unique<ComputeClock>(j.device);
+  j.stragglers = std::make_unique<StragglerWatch>(
+      c.diagnostics.straggler_factor, c.diagnostics.straggler_window, j.ranks.world_size);
   j.config_json = nlohmann::json::parse(to_json(c));
   const std::string& folder = c.checkpoint.folder;
   j.checkpointer = std::make_unique<Checkpointer>(

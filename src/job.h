@@ -20,6 +20,7 @@
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "diag/injector.h"
+#include "diag/stragglers.h"
 #include "eval/validation.h"
 #include "fingerprint.h"
 #include "lockstep/config.h"
@@ -29,6 +30,7 @@
 #include "parallel/data_parallel.h"
 #include "ranks.h"
 #include "rundir.h"
+#include "runtime.h"
 
 namespace lockstep {
 
@@ -57,6 +59,9 @@ struct Job {
   std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl
   std::unique_ptr<Checkpointer> checkpointer;
   std::unique_ptr<Validator> validator;      // held-out loss; null when off
+  std::unique_ptr<StartupSignals> startup_signals;  // until the first step (runtime.h)
+  std::unique_ptr<ComputeClock> compute_clock;  // this rank's compute time (its stats row)
+  std::unique_ptr<StragglerWatch> stragglers;   // every rank's, over a window
   double peak_flops = 0;                     // one device's, for MFU; 0 = unknown
   LRScheduleOptions schedule;
   nlohmann::json config_json;  // the resolved config, as checkpoints store it

@@ -105,7 +105,15 @@ bool after_step(Job& job, Progress& progress, TrainResult& result, const StepRes
   }
   const AfterStep a = after_of(job, job.state.step);
   result.losses.push_back(r.verdict.loss);
-  progress.step_done(job.state, r.verdict, *job.detector, r.lr, r.clip, r.costs, a.log);
+  job.stragglers->add(r.compute_seconds);
+  if (job.stragglers->newly_named())
+    log::warn_shared("step {}: straggler {}: its compute takes that many times the other "
+                     "ranks' (medians over the last {} steps), and every step waits for it; "
+                     "look at its host (diagnostics.straggler_factor sets the threshold)",
+                     job.state.step, StragglerWatch::text(job.stragglers->slow()),
+                     job.config.diagnostics.straggler_window);
+  progress.step_done(job.state, r.verdict, *job.detector, r.lr, r.clip, r.costs,
+                     job.stragglers->slow(), a.log);
   if (a.validate) validate(job, progress);
   if (a.verify) verify(job, last_verified);
   if (a.save) save_checkpoint(job);

@@ -19,6 +19,7 @@ struct StepResult {
   Verdict verdict;
   double lr = 0, clip = 1.0;
   StepCosts costs;
+  std::vector<double> compute_seconds;  // every rank's, from the stats table (stragglers)
 };
 
 // The decided step's counters and state; `data_position`: the sampler's after its batch.

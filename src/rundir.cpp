@@ -82,8 +82,9 @@ std::string prepare_fresh_start(const std::string& run_dir, const std::string& c
   if (policy == OnExisting::kRefuse)
     throw ConfigError(fmt::format(
         "fresh start in '{}', which holds checkpoints of an earlier run (steps {}..{} in '{}'); "
-        "resume it (checkpoint.load_step = -1), or set job.on_existing = \"archive\" (keep them "
-        "under {}/archive/) or \"overwrite\" (delete them), or choose another job.dump_folder",
+        "run the same command with --job.on_existing archive (keeps them under {}/archive/) or "
+        "--job.on_existing overwrite (deletes them), or with another --job.dump_folder; to "
+        "resume the earlier run instead, leave out checkpoint.load_step (or give -1)",
         run_dir, steps.front(), steps.back(), checkpoint_dir, run_dir));
   namespace stdfs = std::filesystem;
   const std::vector<std::string> earlier = {checkpoint_dir,          run_dir + "/metrics.jsonl",
@@ -96,7 +97,10 @@ std::string prepare_fresh_start(const std::string& run_dir, const std::string& c
                        "(steps {}..{}), metrics, diagnostics and logs",
                        steps.front(), steps.back());
   }
-  const std::string archive = run_dir + "/archive/" + utc_now("%Y%m%dT%H%M%SZ");
+  // One folder per archived run: two archives within a second get -2, -3, ...
+  const std::string stamp = run_dir + "/archive/" + utc_now("%Y%m%dT%H%M%SZ");
+  std::string archive = stamp;
+  for (int n = 2; fs::exists(archive); ++n) archive = stamp + "-" + std::to_string(n);
   fs::make_dirs(archive);
   for (const auto& p : earlier) {
     if (!fs::exists(p)) continue;

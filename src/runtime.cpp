@@ -5,8 +5,14 @@
 #include <ATen/Parallel.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -183,6 +189,22 @@ int set_intra_op_threads(int64_t threads, int local_world_size) {
   return at::get_num_threads();
 }
 
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double load = 0;
+  return in >> load ? load : 0;
+}
+
+std::string busy_machine_warning(double load, int cores, int local_ranks, int threads) {
+  const double others = load - local_ranks;
+  if (threads <= 1 || cores <= 0 || others < 0.5 * cores) return "";
+  return fmt::format("the machine is busy: load average {:.1f} on {} cores besides this job's {} "
+                     "rank(s); {} intra-op threads per rank (training.threads = 0: cores / local "
+                     "ranks) compete with it and can run many times slower; set "
+                     "training.threads = 1, or free the machine",
+                     load, cores, local_ranks, threads);
+}
+
 void seed_global_rng(uint64_t seed) {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -213,7 +235,55 @@ std::atomic<int> g_stop_signal{0};
 
 extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
 
+// StartupSignals' log file and its folder (fixed buffers: the handler only reads them).
+char g_startup_log[4096] = "";
+char g_startup_log_dir[4096] = "";
+
+// Async-signal-safe only: write, mkdir, open, close, _exit.
+extern "C" void on_startup_signal(int sig) {
+  const char* text = sig == SIGINT
+                         ? "lockstep: error: stopped by SIGINT during start-up, before the first "
+                           "step: nothing trained; run the same command again to start\n"
+                         : "lockstep: error: stopped by SIGTERM during start-up, before the first "
+                           "step: nothing trained; run the same command again to start\n";
+  const size_t n = std::strlen(text);
+  if (::write(STDERR_FILENO, text, n) < 0) {
+  }
+  if (g_startup_log[0] != 0) {
+    ::mkdir(g_startup_log_dir, 0755);
+    const int fd = ::open(g_startup_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      if (::write(fd, text, n) < 0) {
+      }
+      ::close(fd);
+    }
+  }
+  ::_exit(128 + sig);
+}
+
 }  // namespace
+
+StartupSignals::StartupSignals() {
+  struct sigaction sa {};
+  sa.sa_handler = on_startup_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, &old_term_);
+  ::sigaction(SIGINT, &sa, &old_int_);
+}
+
+StartupSignals::~StartupSignals() {
+  ::sigaction(SIGTERM, &old_term_, nullptr);
+  ::sigaction(SIGINT, &old_int_, nullptr);
+  g_startup_log[0] = 0;
+}
+
+void StartupSignals::log_to(const std::string& path) {
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  if (path.size() >= sizeof g_startup_log || dir.size() >= sizeof g_startup_log_dir) return;
+  std::memcpy(g_startup_log_dir, dir.c_str(), dir.size() + 1);
+  std::memcpy(g_startup_log + 1, path.c_str() + 1, path.size());  // a complete path once
+  g_startup_log[0] = path.empty() ? 0 : path[0];                  // its first byte is set
+}
 
 StopSignals::StopSignals() {
   g_stop_signal.store(0);

@@ -55,6 +55,14 @@ void check_memory_plan(const Config& c, int world, int local_ranks, c10::Device 
 // `local_world_size` ranks. Returns the count set.
 int set_intra_op_threads(int64_t threads, int local_world_size);
 
+// The 1-minute load average (Linux /proc/loadavg; 0 elsewhere).
+double load_average();
+// A warning when `threads` (> 1) intra-op threads per rank, chosen by training.threads = 0,
+// meet a machine that other processes keep busy: `load` beyond this job's `local_ranks` reaches
+// half of `cores` (OpenMP threads then wait on each other: a run was measured 18x slower); ""
+// otherwise.
+std::string busy_machine_warning(double load, int cores, int local_ranks, int threads);
+
 // Seeds the global CPU generator (dropout draws from it; a resume restores its state).
 void seed_global_rng(uint64_t seed);
 
@@ -64,6 +72,24 @@ void allow_tf32(bool allow);
 // The dtype a precision names.
 at::ScalarType dtype_of(Precision p);
 at::ScalarType dtype_of(ReducePrecision p);
+
+// While the job starts (rendezvous, data, model, resume), SIGTERM and SIGINT write one line to
+// stderr — and to the rank's log file once log_to() named it — and exit with 128 + the signal
+// at once: nothing is trained yet, and a scheduler's grace period must not run out in a
+// rendezvous wait. Restores the previous handlers when it dies (training's StopSignals next).
+class StartupSignals {
+ public:
+  StartupSignals();
+  ~StartupSignals();
+  StartupSignals(const StartupSignals&) = delete;
+  StartupSignals& operator=(const StartupSignals&) = delete;
+  // The file the line also goes to (its folder is created): the rank's log, once this run owns
+  // the run folder.
+  static void log_to(const std::string& path);
+
+ private:
+  struct sigaction old_term_ {}, old_int_ {};
+};
 
 // While alive, SIGTERM and SIGINT set a flag instead of killing (a second one kills: the
 // handler resets itself). Restores the previous handlers when it dies.

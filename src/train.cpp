@@ -3,7 +3,7 @@
 //   forward/backward over the micro-batches, then [A] this rank's own gradient
 //   -> triage (skip.scope = "rank", skip.replay): local outliers, replays, ranks to drop
 //   -> measure: the gradient sync, [B] the slice it checks, one small all-gather of every
-//               rank's 64-byte stats; the probe (diagnostics.replay_every)
+//               rank's 72-byte stats; the probe (diagnostics.replay_every)
 //   -> decide: STEP, SKIP, CLIP, SALVAGE or ABORT, the same on every rank by construction
 //   -> explain: only when anomalous (events, scope and cause, culprits, samples, parameters)
 //   -> apply: fused AdamW with found_inf (a skip) and grad_scale (the clip), counters
@@ -45,16 +45,25 @@ TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
 // This rank's batch of 1-based `step`, forward and backward, then [A] its own gradient.
 RankStep compute(Job& job, int64_t step) {
   RankStep s;
+  job.compute_clock->begin();
   s.fault = job.faults->begin_step(step);
   forward_backward(job, s, step);
   const auto start = Clock::now();
   check_local(job, s);  // [A]
   s.costs.decision = seconds_since(start);
+  job.compute_clock->end();
   return s;
 }
 
+// Every rank's compute seconds, the table's column (stragglers).
+std::vector<double> compute_times(const std::vector<RankStats>& table) {
+  std::vector<double> out;
+  for (const RankStats& r : table) out.push_back(r.compute_seconds);
+  return out;
+}
+
 // The gradient sync (a rank the triage dropped contributes zeros), [B] the slice this rank
-// checks, and this rank's 64-byte row of stats, built on the device.
+// checks, and this rank's 72-byte row of stats, built on the device.
 at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
   const auto start = Clock::now();
   const bool dropped =
@@ -66,7 +75,8 @@ at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
   s.shard_stats = job.shard_check->run().clone();  // [B]; its buffer is reused next step
   s.shard_read = false;
   return rank_row(s.local_stats, s.shard_stats, s.loss_t, s.sample_losses_t,
-                  s.interrupted ? 2.0 : StopSignals::received() != 0 ? 1.0 : 0.0);
+                  s.interrupted ? 2.0 : StopSignals::received() != 0 ? 1.0 : 0.0,
+                  job.compute_clock->seconds());
 }
 
 // Then the one small collective: every rank holds every rank's stats, in rank order (the
@@ -124,6 +134,7 @@ void decide_on_host(Job& job, Issued& i) {
   const auto start = Clock::now();
   StepResult r{job.detector->decide(table, triage), i.lr};
   s.costs.decision += seconds_since(start);
+  r.compute_seconds = compute_times(table);
   const Verdict& v = r.verdict;
   warn_overflow(i.step, v);
   explain_step(job, s, v, table, i.lr, job.sampler->position());
@@ -159,6 +170,7 @@ StepResult read_device_verdict(Job& job, Issued& i) {
   const DeviceDecision::Late late = job.decision->read(i.step);
   StepResult r{job.detector->decide(late.table), i.lr};
   i.s.costs.decision += seconds_since(start);
+  r.compute_seconds = compute_times(late.table);
   i.s.costs.wait += late.waited;
   i.s.costs.waits += late.waited > 0 ? 1 : 0;
   const Verdict& v = r.verdict;
@@ -181,6 +193,7 @@ StepResult finish(Job& job, Issued& i) {
 // host decides, when the host needs it (after_of: a log, checkpoint, validation or verify step,
 // the last) or after a stop request; its host syncs watched from the third step of this process.
 void run(Job& job, Progress& progress, TrainResult& result) {
+  job.startup_signals.reset();  // from here a stop signal ends the run at a step boundary
   const StopSignals signals;
   const int64_t first = job.state.step;
   int64_t last_verified = first;  // the last step all ranks were seen to agree

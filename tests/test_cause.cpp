@@ -261,6 +261,17 @@ void expect_causes(int world, const std::string& replay) {
   const auto rank0 = test::decisions(dir.path(), 0);
   for (int rank = 1; rank < world; ++rank)
     EXPECT_EQ(test::decisions(dir.path(), rank), rank0) << "rank " << rank << " differs";
+  // A transient fault's spike is shown with the first computation's numbers, not only the
+  // clean replay's (issue 25: diag showed the replayed norm under reason grad_norm_spike).
+  EXPECT_NE(r.out.find("step 14: STEP after replay (grad_norm_spike) | local: culprit rank 0 "
+                       "(cause transient_fault)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("rank 0's first computation: grad norm "), std::string::npos) << r.out;
+  const auto d = test::run_lockstep("diag " + dir.path());
+  EXPECT_NE(d.out.find("the reasons are rank 0's first computation's (grad norm "),
+            std::string::npos)
+      << d.out;
   const auto crcs = test::outcome(dir.path(), world).crcs;
   for (int rank = 1; rank < world; ++rank) EXPECT_EQ(crcs[rank], crcs[0]);
 }

@@ -177,3 +177,28 @@ TEST(Inputs, AModelThatCannotFitIsRefusedBeforeAllocating) {
   EXPECT_EQ(r.out.find("resident memory after setup"), std::string::npos) << r.out;
   EXPECT_EQ(lines(r.out), 1) << r.out;
 }
+
+// A refusal's offered fix works as offered (issue 25: "start fresh with checkpoint.load_step =
+// 0" for a checkpoint of another model led to the fresh-start refusal next).
+TEST(Inputs, TheFixAResumeRefusalOffersWorks) {
+  test::TempDir dir;
+  const std::string ckpt = " --checkpoint.enable true --checkpoint.interval 2";
+  CliRun r = run_within(60, job(dir / "run", 2, ckpt));
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string other = job(dir / "run", 2, ckpt) + " --model.n_layers 2";
+  r = run_within(60, other);
+  EXPECT_EQ(r.code, 3) << r.out;
+  const std::string offered = "--checkpoint.load_step 0 --job.on_existing archive";
+  ASSERT_NE(r.out.find(offered), std::string::npos) << r.out;
+  r = run_within(60, other + " " + offered);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(dir / "run/checkpoint/step-2"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "run/archive")) << "the earlier run is kept";
+  // The fresh-start refusal's offer works as offered too.
+  r = run_within(60, other + " --checkpoint.load_step 0");
+  EXPECT_EQ(r.code, 2) << r.out;
+  ASSERT_NE(r.out.find("run the same command with --job.on_existing archive"), std::string::npos)
+      << r.out;
+  r = run_within(60, other + " --checkpoint.load_step 0 --job.on_existing archive");
+  EXPECT_EQ(r.code, 0) << r.out;
+}

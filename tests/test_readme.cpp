@@ -37,7 +37,7 @@ TEST(Readme, OutputExcerptsComeFromARealRun) {
   test::TempDir dir;
   const auto run = test::run_on_ranks(
       2, "train --job.dump_folder " + dir / "demo" +
-             " --skip.enabled true --skip.replay peer --fault.inject 'nan_grad@120:1, "
+             " --skip.enabled true --skip.replay peer --fault.inject 'nan_loss@120:1, "
              "transient_flip@160:0, spike@200:0, spike@240:0, spike@240:1'",
       test::Launcher::kLockstepRun);
   ASSERT_EQ(run.code, 0) << run.out;

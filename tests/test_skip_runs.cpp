@@ -544,6 +544,35 @@ void expect_stop_within_a_micro_batch(const std::string& extra) {
 
 }  // namespace
 
+// A SIGTERM while the job starts — here rank 0 waits in the rendezvous for a rank 1 that never
+// comes — ends it at once with a line on stderr and in the rank's log (before, the default
+// action killed it silently after the scheduler's grace period was spent in the wait).
+TEST(Reliability, SigtermDuringStartUpEndsAtOnceAndSaysSo) {
+  test::TempDir dir;
+  std::string args;
+  for (const auto& [k, v] : test::tiny(dir / "run", 10)) args += " --" + k + " '" + v + "'";
+  const pid_t pid = test::spawn_shell(
+      "RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+      std::to_string(test::free_port()) + " exec " + LOCKSTEP_BIN + " train" + args +
+      " --comm.init_timeout_seconds 120 >" + dir / "out.txt" + " 2>&1");
+  // Rank 0 has claimed the run folder (the lock names its holder) before it waits.
+  for (int i = 0; i < 6000 && read_text(dir / "run/.lock").empty(); ++i) ::usleep(5000);
+  ::usleep(300000);
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  const double secs = std::chrono::duration<double>(Clock::now() - start).count();
+  const std::string out = read_text(dir / "out.txt");
+  EXPECT_LT(secs, 5.0) << out;
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  EXPECT_EQ(WEXITSTATUS(status), 143) << out;
+  const std::string line = "lockstep: error: stopped by SIGTERM during start-up";
+  EXPECT_NE(out.find(line), std::string::npos) << out;
+  EXPECT_NE(read_text(dir / "run/logs/rank0.log").find(line), std::string::npos);
+}
+
 TEST(Reliability, SigtermCutsALongAccumulationShortOnTheHostDecidedStep) {
   expect_stop_within_a_micro_batch("");
 }

@@ -214,6 +214,8 @@ struct DiagnosticsConfig {
   int64_t top_params = 5;    // parameters named per event
   int64_t verify_every = 0;  // cross-rank CRC32 of parameters and optimizer state; 0 = off
   int64_t replay_every = 0;  // silent-corruption probe: a rank recomputes a neighbour's batch
+  double straggler_factor = 1.5;  // name a rank whose compute is this much slower; 0 = off
+  int64_t straggler_window = 50;  // steps of compute times compared (medians)
 };
 
 // Fault injection for tests and demos (src/diag/fault.h has the grammar of these strings).
@@ -224,6 +226,8 @@ struct FaultConfig {
   double random_p = 0;          // chance per (step, rank) of a random fault
   int64_t random_seed = 0;
   std::string random_kinds = "nan_grad, inf_grad, nan_loss, spike";
+  std::string slow_ranks = "";  // "R, R, ...": ranks whose compute sleeps slow_ms every step
+  double slow_ms = 50;
 };
 
 struct Config {

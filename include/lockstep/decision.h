@@ -8,7 +8,7 @@
 
 namespace lockstep {
 
-// What one rank contributes to a step's decision: 8 doubles, 64 bytes, all-gathered once per
+// What one rank contributes to a step's decision: 9 doubles, 72 bytes, all-gathered once per
 // step. Counts are integers held exactly in fp64 (up to 2^53).
 struct RankStats {
   double shard_nonfinite = 0;  // [B] nonfinite elements in the synced shard this rank checks
@@ -21,9 +21,11 @@ struct RankStats {
                                // micro-batches): its gradient is partial
   double overflow_runs = 0;    // [B] runs whose fp32 sum of squares overflowed (summed in fp64)
   double bad_samples = 0;      // samples of this rank's batch whose loss is nonfinite
+  double compute_seconds = 0;  // its forward, backward and check [A] (diag/stragglers.h); not
+                               // part of the decision; 0 = not measured
 };
-static_assert(sizeof(RankStats) == 64, "one step's stats are 64 bytes per rank");
-constexpr int kRankStatsDoubles = 8;
+static_assert(sizeof(RankStats) == 72, "one step's stats are 72 bytes per rank");
+constexpr int kRankStatsDoubles = 9;
 
 // step; skip (nothing changes); abort; clip (a global spike, taken clipped to the window's
 // bound); salvage (some ranks' contributions dropped before the sync, the rest stepped).

@@ -38,7 +38,7 @@ std::vector<NamedTensor> named(const std::vector<std::string>& names,
   return out;
 }
 
-// [W, 8] fp64 (any device) as the rows the host decision reads.
+// [W, 9] fp64 (any device) as the rows the host decision reads.
 std::vector<RankStats> rows_of(const at::Tensor& table) {
   const at::Tensor t = table.to(at::kCPU, at::kDouble).contiguous().reshape({-1, kRankStatsDoubles});
   std::vector<RankStats> out(static_cast<size_t>(t.size(0)));
@@ -82,7 +82,7 @@ class Core {
 
   std::string config_json() const { return to_json(config_); }
 
-  // The host decision of a step from the all-gathered table ([W, 8]).
+  // The host decision of a step from the all-gathered table ([W, 9]).
   Verdict decide(const at::Tensor& table) const { return detector_.decide(rows_of(table)); }
 
   // The device decision of `step` (its own state, uploaded from the host's at the first call):
@@ -222,8 +222,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("STATS_FIELDS") = py::make_tuple("shard_nonfinite", "shard_sumsq", "local_nonfinite",
                                           "local_sumsq", "loss", "stop_requested",
-                                          "overflow_runs", "bad_samples");
-  static_assert(kRankStatsDoubles == 8, "the field list above is RankStats'");
+                                          "overflow_runs", "bad_samples", "compute_seconds");
+  static_assert(kRankStatsDoubles == 9, "the field list above is RankStats'");
   m.attr("STATS_HEADER") = kernels::kStatsHeader;
 
   py::class_<Verdict>(m, "Verdict")

@@ -6,7 +6,7 @@
 
 Everything that checks or decides is lockstep's C++ (lockstep._C, built from the harness's own
 kernels/ and src/): the fused one-pass check, the decision core, the counters, the events. This
-file gathers the gradients, exchanges one 64-byte row per rank over the process group and
+file gathers the gradients, exchanges one 72-byte row per rank over the process group and
 applies the verdict to the optimizer. docs/pytorch.md says what each part does and costs.
 """
 from __future__ import annotations
@@ -240,7 +240,7 @@ class SkipGuard:
         return check.run(grads), grads
 
     def _row(self, shard, local, loss, stop, sample_losses):
-        """This rank's 64-byte row, in the field order of lockstep's stats table."""
+        """This rank's 72-byte row, in the field order of lockstep's stats table."""
         dev = shard.device
         zero = torch.zeros(1, dtype=torch.float64, device=dev)
         if sample_losses is None:
@@ -253,7 +253,8 @@ class SkipGuard:
                  "local_nonfinite": own[0:1].to(dev), "local_sumsq": own[1:2].to(dev),
                  "loss": loss.detach().reshape(1).to(dev, torch.float64),
                  "stop_requested": zero + (1.0 if stop else 0.0),
-                 "overflow_runs": shard[2:3], "bad_samples": bad}
+                 "overflow_runs": shard[2:3], "bad_samples": bad,
+                 "compute_seconds": zero}  # stragglers: the harness's, not measured here
         return torch.cat([field[name] for name in _C.STATS_FIELDS])
 
     def _exchange(self, row):

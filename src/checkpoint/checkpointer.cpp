@@ -70,7 +70,9 @@ void check_same_model(const std::string& dir, const json& saved, const json& con
     if (!saved_model.contains(k) || saved_model[k] != v)
       throw InputError(fmt::format(
           "checkpoint '{}' was written with model.{} = {}, this run has {}; resume with the same "
-          "model config or start fresh with checkpoint.load_step = 0",
+          "model config, or start this model fresh with --checkpoint.load_step 0 "
+          "--job.on_existing archive (the earlier run is kept under the run folder's archive/) "
+          "or in another job.dump_folder",
           dir, k, saved_model.contains(k) ? saved_model[k].dump() : "(absent)", v.dump()));
   }
 }

@@ -49,7 +49,7 @@ class DeviceDecision {
   struct Update {
     at::Tensor found_inf, grad_scale;
   };
-  // Decides the step whose [W, 8] table this is (on the device) into slot `step % 2`, and
+  // Decides the step whose [W, 9] table this is (on the device) into slot `step % 2`, and
   // starts copying the table and the result to the host.
   Update decide(const at::Tensor& table, int64_t step);
 

@@ -26,20 +26,20 @@ RankStats rank_stats(const GradCheckStats& local, const GradCheckStats& shard, d
 }
 
 at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::Tensor& loss,
-                    const at::Tensor& sample_losses, double stop) {
+                    const at::Tensor& sample_losses, double stop, double compute_seconds) {
   const auto o = shard.options();
   const at::Tensor own = local.defined() ? local.narrow(0, 0, 2) : at::zeros({2}, o);
   const at::Tensor bad = at::isfinite(sample_losses).logical_not().sum().to(at::kDouble);
   // The RankStats layout: shard nonfinite, sumsq; local nonfinite, sumsq; loss; stop;
-  // overflow runs; bad samples (the stats buffers: nonfinite, sumsq, overflow runs, ...).
-  static_assert(kRankStatsDoubles == 8, "rank_row writes the eight fields of RankStats");
-  return at::cat({shard.narrow(0, 0, 2), own, loss.reshape({1}),
-                  at::full({1}, stop, o), shard.narrow(0, 2, 1),
-                  bad.reshape({1})});
+  // overflow runs; bad samples; compute seconds (the stats buffers: nonfinite, sumsq, overflow
+  // runs, ...).
+  static_assert(kRankStatsDoubles == 9, "rank_row writes the nine fields of RankStats");
+  return at::cat({shard.narrow(0, 0, 2), own, loss.reshape({1}), at::full({1}, stop, o),
+                  shard.narrow(0, 2, 1), bad.reshape({1}), at::full({1}, compute_seconds, o)});
 }
 
 std::vector<RankStats> exchange_stats(const at::Tensor& row, Comm* comm) {
-  return stats_of(all_gather_rows(comm, row));  // [W, 8] fp64 on the host
+  return stats_of(all_gather_rows(comm, row));  // [W, 9] fp64 on the host
 }
 
 std::vector<RankStats> stats_of(const at::Tensor& table) {

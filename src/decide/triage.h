@@ -3,7 +3,7 @@
 // and compare; every rank learns every result from one small all-gather, so all reach the same
 // cause by construction.
 //
-//   1. one all-gather of every rank's own stats [A] (RankStats, 64 bytes per rank): every rank
+//   1. one all-gather of every rank's own stats [A] (RankStats, 72 bytes per rank): every rank
 //      finds the same local outliers against the same per-rank windows (scope.cpp);
 //   2. replay (skip.replay): each culprit recomputes its batch (same micro-batches, data faults
 //      and dropout masks) and compares with its first computation; with "peer" the next

@@ -147,6 +147,33 @@ json rank_tally(const json& events, int64_t world) {
   return tally;
 }
 
+// The ranks the straggler watch named, from the logged steps of RUN_DIR/metrics.jsonl (this
+// run's: the records after a fresh start's marker): per rank, how many logged steps named it,
+// the first and last of them and the largest ratio.
+json straggler_table(const std::string& run_dir) {
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  std::map<int64_t, json> by_rank;
+  std::string line;
+  while (std::getline(in, line)) {
+    const json r = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!r.is_object()) continue;  // a damaged line: `lockstep report` names it
+    if (r.value("event", "") == "start") by_rank.clear();
+    if (!r.contains("stragglers") || !r["stragglers"].is_array()) continue;
+    for (const auto& s : r["stragglers"]) {
+      if (!s.is_object() || !s.contains("rank") || !r.contains("step")) continue;
+      json& row = by_rank[s.value("rank", int64_t{-1})];
+      if (row.empty()) row = {{"rank", s["rank"]}, {"logged_steps", 0}, {"first_step", r["step"]},
+                              {"max_ratio", 0.0}};
+      row["logged_steps"] = row["logged_steps"].get<int64_t>() + 1;
+      row["last_step"] = r["step"];
+      row["max_ratio"] = std::max(row["max_ratio"].get<double>(), s.value("ratio", 0.0));
+    }
+  }
+  json out = json::array();
+  for (auto& [rank, row] : by_rank) out.push_back(row);
+  return out;
+}
+
 }  // namespace
 
 json diagnose(const std::string& run_dir) {
@@ -203,6 +230,7 @@ json diagnose(const std::string& run_dir) {
           {"hardware_suspects", suspects_table(events)},
           {"samples", tally(bad)},
           {"suspects", tally(suspect)},
+          {"stragglers", straggler_table(run_dir)},
           {"quarantine", quarantine}};
 }
 
@@ -285,6 +313,14 @@ std::string format_event(const json& ev) {
     out += fmt::format("             scope {}, cause {}{}\n", scope, cause.empty() ? "unknown (no replay)" : cause,
                        ev["dropped_ranks"].empty() ? "" : fmt::format("; dropped rank {}", fmt::join(ev["dropped_ranks"].get<std::vector<int64_t>>(), ", ")));
   if (const std::string z = zscores_text(ev); !z.empty()) out += "             " + z + "\n";
+  if (cause.find("transient_fault") != std::string::npos)  // the numbers above are the replay's
+    for (const auto& r : ev["replays"])
+      if (r["rank"] == r["by_rank"] && !r["reproduced"].get<bool>())
+        out += fmt::format("             the reasons are rank {}'s first computation's (grad norm "
+                           "{}, loss {}); the numbers above are its clean replay's, synced and "
+                           "taken\n",
+                           r["rank"].get<int64_t>(), num(r["first_grad_norm"]),
+                           num(r["first_loss"]));
   if (!ev["guard"].get<std::string>().empty())
     out += fmt::format("             guard: {}\n", ev["guard"].get<std::string>());
   for (const auto& pr : ev["per_rank"])
@@ -324,6 +360,12 @@ std::string format_diagnosis(const json& d) {
   out += ids_line("suspect samples, not quarantined: their batch reproduced its anomaly but none "
                   "stands out (events naming each)",
                   d["suspects"]);
+  for (const auto& s : d.value("stragglers", json::array()))
+    out += fmt::format("straggler: rank {} named at {} logged step(s), steps {}..{}, its compute "
+                       "up to {:.1f}x the other ranks' (diagnostics.straggler_factor)\n",
+                       s["rank"].get<int64_t>(), s["logged_steps"].get<int64_t>(),
+                       s["first_step"].get<int64_t>(), s["last_step"].get<int64_t>(),
+                       s["max_ratio"].get<double>());
   if (!d["hardware_suspects"].empty()) {
     out += "hardware suspects (rank, host, device, steps, evidence):\n";
     for (const auto& h : d["hardware_suspects"])

@@ -187,6 +187,17 @@ std::string scope_text(const Event& e) {
   return out;
 }
 
+// A transient fault's numbers: "rank 0's first computation grad norm 2.1e+36, its replay 0.81".
+std::string replayed_text(const Event& e) {
+  std::vector<std::string> parts;
+  for (const Event::Replay& r : e.replays)
+    if (r.rank == r.by_rank && !r.reproduced)
+      parts.push_back(fmt::format("rank {}'s first computation: grad norm {:.4g}, loss {:.4g}; "
+                                  "its replay: {:.4g}, {:.4g}",
+                                  r.rank, r.first_grad_norm, r.first_loss, r.grad_norm, r.loss));
+  return parts.empty() ? "replayed" : fmt::format("{}", fmt::join(parts, "; "));
+}
+
 // "bad samples [3015]", "suspect batch [...] (...)", both, or "no sample stands out".
 std::string samples_text(const Event& e) {
   std::vector<std::string> parts;
@@ -246,9 +257,9 @@ std::string skip_message(const Event& e) {
         e.counters.salvaged_steps, e.step, e.counters.dropped_contributions);
   if (e.decision == "step")
     return fmt::format(
-        "step {}: STEP after replay ({}) | {} | the replayed gradient was synced; the step is "
-        "taken",
-        e.step, fmt::join(e.reasons, ", "), scope_text(e));
+        "step {}: STEP after replay ({}) | {} | {} | the replayed gradient was synced; the step "
+        "is taken",
+        e.step, fmt::join(e.reasons, ", "), scope_text(e), replayed_text(e));
   return fmt::format(
       "step {}: SKIP ({}) | {} | {} | {} | weights and optimizer state untouched; "
       "skipped {} of {}",

@@ -140,6 +140,7 @@ void validate_fault_config(const FaultConfig& c) {
   parse_fault_inject(c.inject);
   parse_fault_kinds(c.random_kinds, "fault.random_kinds");
   parse_id_list(c.poison_ids, "fault.poison_ids");
+  parse_id_list(c.slow_ranks, "fault.slow_ranks");
 }
 
 FaultPlan::FaultPlan(const FaultConfig& c, int64_t world_size)
@@ -150,6 +151,8 @@ FaultPlan::FaultPlan(const FaultConfig& c, int64_t world_size)
       world_size_(world_size),
       kinds_(parse_fault_kinds(c.random_kinds, "fault.random_kinds")) {
   for (int64_t id : parse_id_list(c.poison_ids, "fault.poison_ids")) poison_.insert(id);
+  for (int64_t r : parse_id_list(c.slow_ranks, "fault.slow_ranks")) slow_.insert(r);
+  slow_ms_ = c.slow_ms;
   for (const auto& f : inject_)
     if (f.rank >= world_size)
       throw ConfigError(fmt::format(

@@ -72,7 +72,11 @@ class FaultPlan {
   bool poisoned(int64_t sample_id) const { return poison_.count(sample_id) != 0; }
   bool has_poison() const { return !poison_.empty(); }
   double spike_factor() const { return spike_factor_; }
-  bool empty() const { return inject_.empty() && poison_.empty() && random_p_ == 0; }
+  // fault.slow_ranks: the milliseconds `rank` sleeps in its compute each step (0: none).
+  double slow_ms(int64_t rank) const { return slow_.count(rank) ? slow_ms_ : 0; }
+  bool empty() const {
+    return inject_.empty() && poison_.empty() && random_p_ == 0 && slow_.empty();
+  }
   int64_t world_size() const { return world_size_; }
 
   // One JSON object per (step, rank) with a fault, steps 1..steps: `lockstep config faults`.
@@ -81,6 +85,8 @@ class FaultPlan {
  private:
   std::vector<FaultInjection> inject_;
   std::unordered_set<int64_t> poison_;
+  std::unordered_set<int64_t> slow_;
+  double slow_ms_ = 0;
   double random_p_, spike_factor_;
   uint64_t seed_;
   int64_t world_size_;

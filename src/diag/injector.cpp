@@ -5,8 +5,10 @@
 #include <ATen/ops/bitwise_xor.h>
 #include <c10/core/GradMode.h>
 
+#include <chrono>
 #include <csignal>
 #include <limits>
+#include <thread>
 
 #include "log.h"
 
@@ -19,6 +21,8 @@ FaultInjector::FaultInjector(const FaultConfig& config, int rank, int world_size
 FaultKind FaultInjector::begin_step(int64_t step) {
   step_ = step;
   current_ = plan_.at(step, rank_);
+  if (const double ms = plan_.slow_ms(rank_); ms > 0)  // a straggler (fault.slow_ranks)
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
   if (current_ == FaultKind::kCrash && restart_count_ == 0) {
     log::warn("step {}: fault injection: rank {} kills itself (SIGKILL)", step, rank_);
     log::flush();

@@ -20,7 +20,7 @@ class FaultInjector {
   bool empty() const { return plan_.empty(); }
 
   // The start of 1-based step `step`: this rank's fault for it. A crash kills the process here
-  // (SIGKILL, as a machine failure would).
+  // (SIGKILL, as a machine failure would); a slow rank (fault.slow_ranks) sleeps here.
   FaultKind begin_step(int64_t step);
   FaultKind current() const { return current_; }  // the fault of the step begun last
   // A computation of this step on this rank: of rank `batch_rank`'s batch (its data faults

@@ -84,13 +84,15 @@ void Progress::validation_done(int64_t step, double loss, double perplexity, int
 }
 
 void Progress::print_line(const TrainState& state, const Verdict& v, double lr,
-                          double ms_per_step, double tok_s, double mfu) const {
+                          double ms_per_step, double tok_s, double mfu,
+                          const std::vector<Straggler>& slow) const {
   const double eta = static_cast<double>(opt_.total_steps - state.step) * ms_per_step / 1e3;
   std::string extra;
   if (opt_.show_scale)
     extra += fmt::format(" | scale {:g} ({} overflows)", v.loss_scale, state.overflow_skips);
   if (last_val_loss_ >= 0) extra += fmt::format(" | val {:.4f}", last_val_loss_);
   if (mfu > 0) extra += fmt::format(" | MFU {:.1f}%", 100 * mfu);
+  if (!slow.empty()) extra += " | slow " + StragglerWatch::text(slow);
   log::info("step {:>6}/{} | loss {:.4f} | grad_norm {:.4f} | lr {:.3e} | skipped {}{} | "
             "ms/step {:.1f} | tok/s {:.0f} | ETA {}",
             state.step, opt_.total_steps, v.loss, v.grad_norm, lr, state.skipped_steps, extra,
@@ -102,7 +104,8 @@ double Progress::elapsed() const {
 }
 
 void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDetector& detector,
-                         double lr, double clip, const StepCosts& costs, bool log) {
+                         double lr, double clip, const StepCosts& costs,
+                         const std::vector<Straggler>& slow, bool log) {
   ++interval_steps_;
   interval_costs_.decision += costs.decision;
   interval_costs_.sync += costs.sync;
@@ -119,7 +122,7 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
   const double mfu = opt_.peak_flops > 0 ? tok_s * opt_.flops_per_token /
                                                (static_cast<double>(opt_.devices) * opt_.peak_flops)
                                          : 0;
-  print_line(state, v, lr, ms_per_step, tok_s, mfu);
+  print_line(state, v, lr, ms_per_step, tok_s, mfu, slow);
   const WindowSummary w = detector.window();
   nlohmann::json record = counters_json(state);  // step, optimizer_steps, skipped_steps, ...
   record.update({{"loss", json_number(v.loss)},
@@ -147,6 +150,11 @@ void Progress::step_done(const TrainState& state, const Verdict& v, const SkipDe
                   {"loss_std", json_number(w.loss_std)},
                   {"rss_mib", resident_mib()},
                   {"elapsed_s", std::chrono::duration<double>(now - start_).count()}});
+  if (!slow.empty()) {
+    nlohmann::json ranks = nlohmann::json::array();
+    for (const Straggler& s : slow) ranks.push_back({{"rank", s.rank}, {"ratio", s.ratio}});
+    record["stragglers"] = ranks;
+  }
   metrics_.write(record);
   interval_start_ = now;
   interval_steps_ = 0;

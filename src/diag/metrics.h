@@ -10,6 +10,7 @@
 #include "run_state.h"
 #include "decide/detector.h"
 #include "diag/event.h"
+#include "diag/stragglers.h"
 
 namespace lockstep {
 
@@ -42,8 +43,10 @@ class Progress {
 
   // Counts the step `state` has just completed (`costs`: what its decision machinery cost);
   // when `log` (a logged step), prints the progress line and writes the metrics record.
+  // `slow`: the ranks the straggler watch names now.
   void step_done(const TrainState& state, const Verdict& verdict, const SkipDetector& detector,
-                 double lr, double clip, const StepCosts& costs, bool log);
+                 double lr, double clip, const StepCosts& costs,
+                 const std::vector<Straggler>& slow, bool log);
 
   // A validation ran after `step`: its log line and metrics record; its time is left out of
   // the step rates.
@@ -56,7 +59,7 @@ class Progress {
  private:
   using Clock = std::chrono::steady_clock;
   void print_line(const TrainState& state, const Verdict& v, double lr, double ms_per_step,
-                  double tok_s, double mfu) const;
+                  double tok_s, double mfu, const std::vector<Straggler>& slow) const;
   ProgressOptions opt_;
   JsonlWriter metrics_;
   double last_val_loss_ = -1;  // none yet
