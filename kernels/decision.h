@@ -144,8 +144,9 @@ enum Reason : uint32_t {
   kGradNormAboveMax = 1u << 2,
   kGradNormSpike = 1u << 3,
   kLossSpike = 1u << 4,
+  kGradNormZClip = 1u << 5,  // above ZClip's EMA bound (skip.adaptive_clip = "zclip")
 };
-constexpr int kReasonCount = 5;
+constexpr int kReasonCount = 6;
 
 struct Thresholds {
   bool enabled = false;        // skip.enabled: the thresholds below apply
@@ -302,6 +303,55 @@ LOCKSTEP_HD double spike_clip_to(uint32_t reasons, const At& gn, int64_t n, cons
   return std::isfinite(to) ? to : 0.0;
 }
 
+// ---- ZClip: an EMA of the global norm (skip.adaptive_clip = "zclip") ---------------------------
+//
+// ZClip's rule (arXiv 2504.02507; its constants are the config's defaults): the first `warmup`
+// taken steps' norms give the mean and the (population) variance; after them each taken step
+// moves mean = a * mean + (1 - a) * g, var = a * var + (1 - a) * (g - mean)^2 with the norm g as
+// taken (clipped: the bound). A norm with z = (g - mean) / (std + 1e-6) above z_t is clipped to
+// mean + z_t * std / (z / z_t). Unlike ZClip's reference code its state is checkpointed, it is
+// agreed by construction, and a nonfinite norm never enters it (only taken steps do).
+
+struct ZClipRule {
+  int32_t enabled = 0;
+  double alpha = 0.97, z = 2.5;
+  int64_t warmup = 25;
+};
+
+struct ZClipState {
+  int64_t count;  // norms taken in, up to warmup (then it stays there)
+  double mean, m2, var;  // m2: the warm-up's running sum of squared deviations (Welford)
+};
+
+// The z-score of `g` against the EMA, NaN while warming up, off, or for a nonfinite norm.
+LOCKSTEP_HD inline double zclip_zscore(const ZClipState& e, const ZClipRule& rule, double g) {
+  if (!rule.enabled || e.count < rule.warmup || !std::isfinite(g)) return nan_value();
+  return (g - e.mean) / (std::sqrt(e.var) + 1e-6);
+}
+
+// The bound a norm `g` is clipped to (0: none).
+LOCKSTEP_HD inline double zclip_bound(const ZClipState& e, const ZClipRule& rule, double g) {
+  const double z = zclip_zscore(e, rule, g);
+  if (!(z > rule.z)) return 0.0;
+  return e.mean + rule.z * std::sqrt(e.var) / (z / rule.z);
+}
+
+// A taken step's norm (as taken) enters the statistics.
+LOCKSTEP_HD inline void zclip_record(ZClipState& e, const ZClipRule& rule, double g) {
+  if (!rule.enabled || !std::isfinite(g)) return;
+  if (e.count < rule.warmup) {
+    ++e.count;
+    const double d = g - e.mean;
+    e.mean += d / static_cast<double>(e.count);
+    e.m2 += d * (g - e.mean);
+    if (e.count == rule.warmup) e.var = e.m2 / static_cast<double>(e.count);
+    return;
+  }
+  e.mean = rule.alpha * e.mean + (1.0 - rule.alpha) * g;
+  const double d = g - e.mean;
+  e.var = rule.alpha * e.var + (1.0 - rule.alpha) * d * d;
+}
+
 // ---- guards -----------------------------------------------------------------------------------
 
 enum Guard : int { kNoGuard = 0, kMaxConsecutive = 1, kMaxFraction = 2 };
@@ -431,6 +481,7 @@ struct DecideState {
   int64_t recent_skips;
   LossScaleState scale;
   int64_t consecutive_skips;
+  ZClipState zclip;
   int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
 
@@ -488,6 +539,7 @@ struct DecideConfig {
   int64_t fraction_window = 0;
   int32_t on_global_spike = kSpikeSkip;  // GlobalSpike
   int32_t hardware_abort = 0;            // skip.on_hardware_fault = "abort"
+  ZClipRule zclip;
 };
 
 // What the host settled before the sync (skip.scope = "rank", skip.replay, the probe: triage.cpp);
@@ -544,7 +596,7 @@ LOCKSTEP_HD inline bool is_global(const double* table, int world, const DecideSt
     samples = samples || f.samples;
     outliers += f.reasons != 0 ? 1 : 0;
   }
-  if (outliers > 0 || !(reasons & (kGradNormAboveMax | kGradNormSpike)))
+  if (outliers > 0 || !(reasons & (kGradNormAboveMax | kGradNormSpike | kGradNormZClip)))
     return !is_local(outliers, world, samples);
   const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
   const int n = cross_rank_outliers(stat, world, s.scratch, [](int) {});
@@ -558,17 +610,20 @@ LOCKSTEP_HD inline void apply_policy(const double* table, int world, const Decid
                                      const DecideConfig& c, bool settled_local,
                                      DecideResult& out) {
   const bool nonfinite = (out.reasons & (kNonfiniteGrad | kNonfiniteLoss)) != 0;
-  if (c.on_global_spike != kSpikeSkip && !nonfinite && !settled_local &&
+  const bool zclip_only = out.reasons == kGradNormZClip;  // ZClip clips, never skips
+  if ((zclip_only || c.on_global_spike != kSpikeSkip) && !nonfinite && !settled_local &&
       is_global(table, world, s, c, out.reasons)) {
-    if (c.on_global_spike == kSpikeAbort) {
+    if (!zclip_only && c.on_global_spike == kSpikeAbort) {
       out.outcome = kAbortRun;
       out.why = kGlobalSpikeAbort;
       return;
     }
     const auto gn = [&s](int64_t i) { return ring_at(s.grad_norms, i); };
+    const double zclip_to = zclip_bound(s.zclip, c.zclip, out.grad_norm);
     out.outcome = kTake;
     out.clipped = 1;
-    out.clip_to = spike_clip_to(out.reasons, gn, s.grad_norms.size, c.thresholds);
+    out.clip_to = zclip_to > 0 ? zclip_to
+                               : spike_clip_to(out.reasons, gn, s.grad_norms.size, c.thresholds);
     return;
   }
   const bool oldest = s.recent.size > 0 && ring_at(s.recent, 0) != 0;
@@ -607,6 +662,8 @@ LOCKSTEP_HD inline void score_numbers(const double* table, int world, const Deci
   out.loss_z = zscores && std::isfinite(out.loss) ? window_zscore(ls, s.losses.size, out.loss)
                                                   : nan_value();
   out.reasons = reasons_of(g, out.grad_norm, out.grad_norm_z, out.loss_z, c.thresholds);
+  const double zclip_z = zclip_zscore(s.zclip, c.zclip, out.grad_norm);
+  if (c.thresholds.enabled && !out.overflow && zclip_z > c.zclip.z) out.reasons |= kGradNormZClip;
   for (int i = 0; i < world; ++i) out.salvaged |= dropped(i) ? 1 : 0;
 }
 
@@ -671,9 +728,11 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
     const double loss = r.clipped ? window_bounded(ls, s.losses.size, r.loss,
                                                    c.thresholds.loss_zscore, c.min_history)
                                   : r.loss;
-    ring_push(s.grad_norms, r.clipped && r.clip_to > 0 ? min_of(r.grad_norm, r.clip_to)
-                                                        : r.grad_norm);
+    const double taken =
+        r.clipped && r.clip_to > 0 ? min_of(r.grad_norm, r.clip_to) : r.grad_norm;
+    ring_push(s.grad_norms, taken);
     ring_push(s.losses, loss);
+    zclip_record(s.zclip, c.zclip, taken);
   }
   recent_push(s, skipped);
   loss_scale_record(s.scale, c.loss_scale, false, !skipped);

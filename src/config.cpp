@@ -47,6 +47,7 @@ LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
 LOCKSTEP_CHOICES(ReducePrecision, "float32", "bfloat16")
 LOCKSTEP_CHOICES(OnExisting, "refuse", "archive", "overwrite")
 LOCKSTEP_CHOICES(OnGlobalSpike, "clip", "skip", "abort")
+LOCKSTEP_CHOICES(AdaptiveClip, "off", "zclip")
 LOCKSTEP_CHOICES(SkipScope, "step", "rank")
 LOCKSTEP_CHOICES(Replay, "off", "self", "peer")
 LOCKSTEP_CHOICES(OnHardwareFault, "warn", "abort")
@@ -417,8 +418,21 @@ void skip_fields(std::vector<Field>& t) {
                         "steps over which max_fraction counts skips"));
   t.push_back(choice_field("skip", "on_global_spike", &C::skip, &S::on_global_spike,
                            "an anomaly on most ranks' own values (the model or optimizer, not "
-                           "a batch): clip = take the step clipped to the window's bound; skip; "
-                           "abort"));
+                           "a batch): clip = take the step clipped to the window's bound (to "
+                           "ZClip's with adaptive_clip = \"zclip\"); skip; abort"));
+  t.push_back(choice_field("skip", "adaptive_clip", &C::skip, &S::adaptive_clip,
+                           "zclip = ZClip's rule (arXiv 2504.02507): an EMA of the global "
+                           "norm's mean and variance; a taken step whose norm's z-score against "
+                           "it exceeds zclip_zscore is clipped to mean + zclip_zscore^2 x std / "
+                           "z (and a global spike to the same bound); a local anomaly is still "
+                           "skipped; off = the window's bound only"));
+  t.push_back(float_field("skip", "zclip_alpha", &C::skip, &S::zclip_alpha, 0, true, 1,
+                          "ZClip's EMA smoothing factor (its default 0.97)"));
+  t.push_back(float_field("skip", "zclip_zscore", &C::skip, &S::zclip_zscore, 0, true, kInf,
+                          "ZClip's z-score threshold (its default 2.5)"));
+  t.push_back(int_field("skip", "zclip_warmup", &C::skip, &S::zclip_warmup, 1, 1 << 20,
+                        "taken steps whose norms initialise ZClip's mean and variance (its "
+                        "default 25); no ZClip clip before"));
   t.push_back(choice_field("skip", "scope", &C::skip, &S::scope,
                            "a local anomaly (a minority of ranks): step = skip the whole step; "
                            "rank = those ranks contribute nothing and the rest step (one more "
@@ -925,6 +939,9 @@ void validate_cross(const Config& c) {
     throw ConfigError(fmt::format(
         "invalid value for '{}': it acts on skipped steps; set skip.enabled = true",
         c.skip.scope == SkipScope::kRank ? "skip.scope" : "skip.replay"));
+  if (c.skip.adaptive_clip != AdaptiveClip::kOff && !c.skip.enabled)
+    throw ConfigError("invalid value for 'skip.adaptive_clip': it is a policy of the decision "
+                      "(a local anomaly is still skipped); set skip.enabled = true");
   if (c.skip.min_history > c.skip.window)
     throw ConfigError(fmt::format(
         "invalid value for 'skip.min_history': {} exceeds skip.window = {}; lower "

@@ -52,6 +52,7 @@ struct Policy {
   bool enabled;
   const char* scaling;
   OnGlobalSpike on_global_spike;
+  AdaptiveClip adaptive_clip = AdaptiveClip::kOff;
 };
 
 struct Counts {
@@ -76,6 +77,11 @@ void expect_same_state(const DeviceState& dev, const SkipDetector& detector, int
   EXPECT_EQ(dev.s.scale.consecutive_overflows, h.scale.consecutive_overflows) << at;
   EXPECT_EQ(dev.s.consecutive_skips, h.consecutive_skips) << at;
   EXPECT_EQ(dev.s.recent_skips, h.recent_skips) << at;
+  EXPECT_EQ(dev.s.zclip.count, h.zclip.count) << at;
+  for (const auto& [d, w] : {std::pair{dev.s.zclip.mean, h.zclip.mean},
+                             std::pair{dev.s.zclip.m2, h.zclip.m2},
+                             std::pair{dev.s.zclip.var, h.zclip.var}})
+    EXPECT_TRUE(same_bits(d, w)) << at;
 }
 
 // One step decided both ways; false after an abort (the run ends).
@@ -142,10 +148,14 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
     for (const Policy policy :
          {Policy{true, "none", OnGlobalSpike::kClip}, Policy{true, "dynamic", OnGlobalSpike::kClip},
           Policy{true, "none", OnGlobalSpike::kSkip}, Policy{true, "none", OnGlobalSpike::kAbort},
-          Policy{false, "none", OnGlobalSpike::kClip}}) {
+          Policy{false, "none", OnGlobalSpike::kClip},
+          Policy{true, "none", OnGlobalSpike::kClip, AdaptiveClip::kZClip},
+          Policy{true, "dynamic", OnGlobalSpike::kSkip, AdaptiveClip::kZClip}}) {
       SkipConfig cfg;
       cfg.enabled = policy.enabled;
       cfg.on_global_spike = policy.on_global_spike;
+      cfg.adaptive_clip = policy.adaptive_clip;
+      cfg.zclip_warmup = 10;
       cfg.window = 32;
       cfg.min_history = 8;
       cfg.max_grad_norm = 40;
@@ -162,7 +172,8 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       const kernels::DecideConfig config = decide_config(cfg, training);
       const std::string what = std::to_string(world) + " ranks, skip " +
                                (policy.enabled ? "on, " : "off, ") + policy.scaling + ", " +
-                               std::string(name_of(policy.on_global_spike));
+                               std::string(name_of(policy.on_global_spike)) + ", " +
+                               std::string(name_of(policy.adaptive_clip));
       Counts n;
       for (int run = 0; run < 40 && n.taken < 2000; ++run) {  // a fresh run after every abort
         SkipDetector detector(cfg, training, world);
@@ -185,6 +196,9 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       }
       if (policy.enabled && policy.on_global_spike == OnGlobalSpike::kClip && world > 1) {
         EXPECT_GT(n.clipped, 10) << what;
+      }
+      if (policy.adaptive_clip == AdaptiveClip::kZClip && world > 1) {
+        EXPECT_GT(n.clipped, 10) << what << ": ZClip clips global spikes whatever on_global_spike";
       }
       if (policy.enabled && policy.on_global_spike == OnGlobalSpike::kAbort && world > 1) {
         EXPECT_GT(n.global_aborts, 3) << what;

@@ -376,3 +376,81 @@ TEST(SkipDetector, AStepAStopCutShortIsNeitherTakenNorCounted) {
                        &found_inf, &grad_scale);
   EXPECT_EQ(found_inf, 1.0f) << "no update lands after an interrupted step";
 }
+
+// ZClip's rule (skip.adaptive_clip = "zclip", arXiv 2504.02507): after its warm-up the global
+// norm is tested against an EMA of its mean and variance and clipped to mean + z_t^2 std / z —
+// the numbers of ZClip's reference (two-pass warm-up statistics, then the EMA of the norm as
+// taken), checked here against that arithmetic written out; the state travels in checkpoints and
+// a nonfinite norm never enters it; a local anomaly is still skipped and named.
+TEST(ZClip, ClipsTheGlobalNormAsZClipsReferenceDoes) {
+  SkipConfig cfg = enabled_policy();
+  cfg.adaptive_clip = AdaptiveClip::kZClip;
+  cfg.grad_norm_zscore = 0;  // the window's tests off: ZClip alone
+  cfg.loss_zscore = 0;
+  const TrainingConfig training;
+  SkipDetector d(cfg, training, 1);
+  std::vector<double> warm;
+  for (int i = 0; i < 25; ++i) {  // ZClip's warm-up: no clip, the statistics gather
+    const double g = 1.0 + 0.02 * ((i * 7) % 5);
+    Verdict v = d.decide(healthy(1, g, 3.0));
+    ASSERT_EQ(v.decision, Decision::kStep) << i;
+    d.record(v);
+    warm.push_back(g);
+  }
+  double mean = 0, var = 0;
+  for (double g : warm) mean += g / 25;
+  for (double g : warm) var += (g - mean) * (g - mean) / 25;
+  const double g = 1.6, z = (g - mean) / (std::sqrt(var) + 1e-6);
+  ASSERT_GT(z, 2.5);
+  Verdict v = d.decide(healthy(1, g, 3.0));
+  EXPECT_EQ(v.decision, Decision::kClip);
+  EXPECT_EQ(v.reasons, std::vector<std::string>{"grad_norm_zclip"});
+  const double bound = mean + 2.5 * std::sqrt(var) / (z / 2.5);
+  EXPECT_NEAR(v.clip_to, bound, 1e-12 * bound);
+  EXPECT_LT(v.clip, 1.0);
+  d.record(v);
+  mean = 0.97 * mean + 0.03 * bound;  // the EMA takes the norm as taken: the bound
+  var = 0.97 * var + 0.03 * (bound - mean) * (bound - mean);
+  const nlohmann::json after = d.state();
+  EXPECT_NEAR(after["zclip"]["mean"].get<double>(), mean, 1e-12);
+  EXPECT_NEAR(after["zclip"]["var"].get<double>(), var, 1e-12);
+  // A nonfinite gradient is skipped and never enters the statistics.
+  auto bad = healthy(1, 1.0, 3.0);
+  bad[0].shard_nonfinite = 3;
+  v = d.decide(bad);
+  EXPECT_EQ(v.decision, Decision::kSkip);
+  d.record(v);
+  EXPECT_EQ(d.state()["zclip"], after["zclip"]);
+  // Checkpointed: a detector restored from the state takes the next decision bit for bit.
+  SkipDetector restored(cfg, training, 1);
+  restored.load_state(nlohmann::json::parse(d.state().dump()));
+  const Verdict a = d.decide(healthy(1, 2.0, 3.0)), b = restored.decide(healthy(1, 2.0, 3.0));
+  EXPECT_EQ(a.decision, Decision::kClip);
+  EXPECT_TRUE(same_bits(a.clip_to, b.clip_to));
+  EXPECT_TRUE(same_bits(a.clip, b.clip));
+}
+
+TEST(ZClip, ALocalAnomalyIsStillSkippedAndTheKeyNeedsSkipping) {
+  SkipConfig cfg = enabled_policy();
+  cfg.adaptive_clip = AdaptiveClip::kZClip;
+  cfg.zclip_warmup = 8;
+  const TrainingConfig training;
+  SkipDetector d(cfg, training, 3);
+  warm_up(d, 30, 1.0, 3.0, 3);
+  auto t = healthy(3, 1.0, 3.0);
+  t[2].local_sumsq *= 2500;  // rank 2's own gradient, and its share of the synced one
+  t[2].shard_sumsq *= 2500;
+  const Verdict v = d.decide(t);
+  EXPECT_EQ(v.decision, Decision::kSkip);
+  EXPECT_EQ(v.scope, "local");
+  EXPECT_EQ(v.culprit_ranks, std::vector<int>{2});
+  try {
+    load_config("[skip]\nadaptive_clip = \"zclip\"\n", "t.toml");
+    ADD_FAILURE() << "zclip without skipping was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("skip.adaptive_clip"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(load_config("[skip]\nenabled = true\nadaptive_clip = \"zclip\"\n", "t.toml")
+                .skip.zclip_zscore,
+            2.5);
+}

@@ -32,6 +32,7 @@ enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16
 enum class ReducePrecision { kFloat32, kBFloat16 };
 enum class OnExisting { kRefuse, kArchive, kOverwrite };  // a fresh start in a used run folder
 enum class OnGlobalSpike { kClip, kSkip, kAbort };  // most ranks elevated: the model, not data
+enum class AdaptiveClip { kOff, kZClip };  // zclip: ZClip's EMA clip of the global norm
 enum class SkipScope { kStep, kRank };     // a local anomaly skips the step, or drops the rank
 enum class Replay { kOff, kSelf, kPeer };  // recompute a culprit's batch to tell data from faults
 enum class OnHardwareFault { kWarn, kAbort };
@@ -54,6 +55,7 @@ template <> std::span<const std::string_view> choice_names<Precision>();
 template <> std::span<const std::string_view> choice_names<ReducePrecision>();
 template <> std::span<const std::string_view> choice_names<OnExisting>();
 template <> std::span<const std::string_view> choice_names<OnGlobalSpike>();
+template <> std::span<const std::string_view> choice_names<AdaptiveClip>();
 template <> std::span<const std::string_view> choice_names<SkipScope>();
 template <> std::span<const std::string_view> choice_names<Replay>();
 template <> std::span<const std::string_view> choice_names<OnHardwareFault>();
@@ -200,6 +202,12 @@ struct SkipConfig {
   int64_t fraction_window = 1000;
   // Scope and cause (docs: README "Why was this step skipped?").
   OnGlobalSpike on_global_spike = OnGlobalSpike::kClip;
+  // ZClip (arXiv 2504.02507): an EMA of the global norm's mean and variance; a norm whose
+  // z-score against it exceeds zclip_zscore is clipped to mean + zclip_zscore^2 * std / z.
+  AdaptiveClip adaptive_clip = AdaptiveClip::kOff;
+  double zclip_alpha = 0.97;   // the EMA's smoothing (ZClip's alpha)
+  double zclip_zscore = 2.5;   // ZClip's z_thresh
+  int64_t zclip_warmup = 25;   // taken steps whose norms initialise the EMA (ZClip's warm-up)
   SkipScope scope = SkipScope::kStep;
   double max_dropped_fraction = 0.25;  // scope = rank: beyond this share of ranks, skip the step
   Replay replay = Replay::kOff;

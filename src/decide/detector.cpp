@@ -21,7 +21,8 @@ const char* decision_name(Decision d) {
 
 const char* reason_name(int bit) {
   static const char* const kNames[kernels::kReasonCount] = {
-      "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike"};
+      "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike",
+      "grad_norm_zclip"};
   return bit >= 0 && bit < kernels::kReasonCount ? kNames[bit] : "?";
 }
 
@@ -45,6 +46,8 @@ kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t
                       : k.on_global_spike == OnGlobalSpike::kSkip ? kernels::kSpikeSkip
                                                                   : kernels::kSpikeAbort;
   c.hardware_abort = k.on_hardware_fault == OnHardwareFault::kAbort ? 1 : 0;
+  c.zclip = {k.adaptive_clip == AdaptiveClip::kZClip ? 1 : 0, k.zclip_alpha, k.zclip_zscore,
+             k.zclip_warmup};
   return c;
 }
 
@@ -267,7 +270,10 @@ nlohmann::json SkipDetector::state() const {
           {"rank_grad_norms", rank_gn},
           {"rank_losses", rank_ls},
           {"consecutive_skips", s.consecutive_skips},
-          {"recent", recent}};
+          {"recent", recent},
+          {"zclip",
+           {{"count", s.zclip.count}, {"mean", s.zclip.mean}, {"m2", s.zclip.m2},
+            {"var", s.zclip.var}}}};
 }
 
 void SkipDetector::load_state(const nlohmann::json& j) {
@@ -288,6 +294,11 @@ void SkipDetector::load_state(const nlohmann::json& j) {
   }
   st.s.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
   for (char c : j.at("recent").get<std::string>()) kernels::recent_push(st.s, c == '1');
+  if (j.contains("zclip")) {  // checkpoints before ZClip have none: it warms up again
+    const nlohmann::json& z = j.at("zclip");
+    st.s.zclip = {z.at("count").get<int64_t>(), z.at("mean").get<double>(),
+                  z.at("m2").get<double>(), z.at("var").get<double>()};
+  }
   state_ = st;
 }
 

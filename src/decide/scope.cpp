@@ -90,7 +90,7 @@ void SkipDetector::attribute(Verdict& v, const std::vector<RankStats>& ranks,
   std::vector<int> outliers = f.outliers;
   bool local = f.local(ranks.size());
   if (outliers.empty() && (has(v.reasons, "grad_norm_above_max") ||
-                           has(v.reasons, "grad_norm_spike"))) {
+                           has(v.reasons, "grad_norm_spike") || has(v.reasons, "grad_norm_zclip"))) {
     outliers = cross_rank_outliers(ranks);
     local = kernels::is_local(static_cast<int>(outliers.size()), static_cast<int>(ranks.size()),
                               false);
