@@ -133,6 +133,37 @@ TEST(SkipRun, ConsecutiveGuardAbortsAndKeepsTheLastGoodState) {
                TrainingAborted);
 }
 
+// ZClip's statistics travel in the checkpoint: a run resumed between its clips takes the same
+// clips at the same bounds and ends with the same bytes.
+TEST(SkipRun, AResumedZClipRunClipsAsTheUninterruptedOne) {
+  test::TempDir dir;
+  const std::vector<Override> policy = {{"skip.adaptive_clip", "zclip"},
+                                        {"skip.zclip_warmup", "5"},
+                                        {"checkpoint.interval", "10"},
+                                        {"fault.inject", "spike@14:0, spike@24:0, spike@33:0"},
+                                        {"fault.spike_factor", "4"}};
+  train(job(dir / "full", 40, policy));
+  std::filesystem::create_directories(dir / "resumed/checkpoint");
+  std::filesystem::copy(dir / "full/checkpoint/step-20", dir / "resumed/checkpoint/step-20",
+                        std::filesystem::copy_options::recursive);
+  auto resumed = policy;
+  resumed.push_back({"checkpoint.load_step", "20"});
+  EXPECT_EQ(train(job(dir / "resumed", 40, resumed)).start_step, 20);
+  const auto full = read_jsonl(dir / "full/diagnostics/rank0.jsonl");
+  std::vector<std::string> after_20;
+  for (const auto& e : full)
+    if (e["step"].get<int64_t>() > 20) after_20.push_back(e.dump());
+  std::vector<std::string> again;
+  for (const auto& e : read_jsonl(dir / "resumed/diagnostics/rank0.jsonl")) again.push_back(e.dump());
+  ASSERT_GE(after_20.size(), 2u) << "the spikes after the resume were clipped";
+  EXPECT_EQ(again, after_20) << "the same events, bounds and counters, byte for byte";
+  for (const auto& e : full) EXPECT_EQ(e["decision"], "clip") << e.dump();
+  EXPECT_EQ(read_text(dir / "resumed/checkpoint/step-40/model.safetensors"),
+            read_text(dir / "full/checkpoint/step-40/model.safetensors"));
+  EXPECT_EQ(meta(dir / "resumed/checkpoint/step-40")["detector"]["zclip"],
+            meta(dir / "full/checkpoint/step-40")["detector"]["zclip"]);
+}
+
 TEST(SkipRun, ResumeInTheMiddleOfTheWindowReproducesDecisionsAndWeights) {
   test::TempDir dir;
   const std::vector<Override> policy = {{"skip.window", "16"},
