@@ -261,19 +261,27 @@ extern "C" void on_startup_signal(int sig) {
   ::_exit(128 + sig);
 }
 
-}  // namespace
-
-StartupSignals::StartupSignals() {
+// `handler` for SIGTERM and SIGINT, the previous dispositions kept in `old` (term, int).
+void install(void (*handler)(int), int flags, struct sigaction (&old)[2]) {
   struct sigaction sa {};
-  sa.sa_handler = on_startup_signal;
+  sa.sa_handler = handler;
+  sa.sa_flags = flags;
   sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGTERM, &sa, &old_term_);
-  ::sigaction(SIGINT, &sa, &old_int_);
+  ::sigaction(SIGTERM, &sa, &old[0]);
+  ::sigaction(SIGINT, &sa, &old[1]);
 }
 
+void restore(const struct sigaction (&old)[2]) {
+  ::sigaction(SIGTERM, &old[0], nullptr);
+  ::sigaction(SIGINT, &old[1], nullptr);
+}
+
+}  // namespace
+
+StartupSignals::StartupSignals() { install(on_startup_signal, 0, old_); }
+
 StartupSignals::~StartupSignals() {
-  ::sigaction(SIGTERM, &old_term_, nullptr);
-  ::sigaction(SIGINT, &old_int_, nullptr);
+  restore(old_);
   g_startup_log[0] = 0;
 }
 
@@ -287,18 +295,10 @@ void StartupSignals::log_to(const std::string& path) {
 
 StopSignals::StopSignals() {
   g_stop_signal.store(0);
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sa.sa_flags = SA_RESTART | SA_RESETHAND;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGTERM, &sa, &old_term_);
-  ::sigaction(SIGINT, &sa, &old_int_);
+  install(on_stop_signal, SA_RESTART | SA_RESETHAND, old_);
 }
 
-StopSignals::~StopSignals() {
-  ::sigaction(SIGTERM, &old_term_, nullptr);
-  ::sigaction(SIGINT, &old_int_, nullptr);
-}
+StopSignals::~StopSignals() { restore(old_); }
 
 int StopSignals::received() { return g_stop_signal.load(); }
 

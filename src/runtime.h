@@ -88,7 +88,7 @@ class StartupSignals {
   static void log_to(const std::string& path);
 
  private:
-  struct sigaction old_term_ {}, old_int_ {};
+  struct sigaction old_[2] {};  // SIGTERM's and SIGINT's before
 };
 
 // While alive, SIGTERM and SIGINT set a flag instead of killing (a second one kills: the
@@ -104,7 +104,7 @@ class StopSignals {
   static int received();
 
  private:
-  struct sigaction old_term_ {}, old_int_ {};
+  struct sigaction old_[2] {};  // SIGTERM's and SIGINT's before
 };
 
 }  // namespace lockstep
