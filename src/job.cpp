@@ -199,12 +199,10 @@ std::unique_ptr<Job> build_job(const Config& config) {
   // Before anything is allocated (the ranks run the same job: they all refuse alike).
   check_memory_plan(c, j.ranks.world_size, j.ranks.local_world_size, j.device);
   const int threads = set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
-  if (c.training.threads == 0)
-    if (const std::string busy =
-            busy_machine_warning(load_average(), static_cast<int>(std::thread::hardware_concurrency()),
-                                 j.ranks.local_world_size, threads);
-        !busy.empty())
-      log::warn_shared("{}", busy);
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const std::string busy =
+      busy_machine_warning(load_average(), cores, j.ranks.local_world_size, threads);
+  if (c.training.threads == 0 && !busy.empty()) log::warn_shared("{}", busy);
   if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   build_model(j);

@@ -195,7 +195,7 @@ TEST(CauseRun, AGlobalSpikeTrainsThroughWithDefaultSettings) {
     EXPECT_EQ(e["cause"], "instability");
     EXPECT_EQ(e["culprit_ranks"], json::array());
     EXPECT_EQ(e["suspect_sample_ids"], json::array());
-    EXPECT_EQ(e["quarantine_sample_ids"], json::array()) << "a global instability quarantines nothing";
+    EXPECT_EQ(e["quarantine_sample_ids"], json::array()) << "a global instability: no sample";
   }
   const auto metrics = read_jsonl(dir / "metrics.jsonl");
   EXPECT_EQ(metrics.back()["clipped_steps"], 2);

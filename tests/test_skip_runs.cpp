@@ -154,7 +154,8 @@ TEST(SkipRun, AResumedZClipRunClipsAsTheUninterruptedOne) {
   for (const auto& e : full)
     if (e["step"].get<int64_t>() > 20) after_20.push_back(e.dump());
   std::vector<std::string> again;
-  for (const auto& e : read_jsonl(dir / "resumed/diagnostics/rank0.jsonl")) again.push_back(e.dump());
+  for (const auto& e : read_jsonl(dir / "resumed/diagnostics/rank0.jsonl"))
+    again.push_back(e.dump());
   ASSERT_GE(after_20.size(), 2u) << "the spikes after the resume were clipped";
   EXPECT_EQ(again, after_20) << "the same events, bounds and counters, byte for byte";
   for (const auto& e : full) EXPECT_EQ(e["decision"], "clip") << e.dump();

@@ -89,8 +89,9 @@ void SkipDetector::attribute(Verdict& v, const std::vector<RankStats>& ranks,
   if (v.reasons.empty()) return;
   std::vector<int> outliers = f.outliers;
   bool local = f.local(ranks.size());
-  if (outliers.empty() && (has(v.reasons, "grad_norm_above_max") ||
-                           has(v.reasons, "grad_norm_spike") || has(v.reasons, "grad_norm_zclip"))) {
+  const bool norm_reason = has(v.reasons, "grad_norm_above_max") ||
+                           has(v.reasons, "grad_norm_spike") || has(v.reasons, "grad_norm_zclip");
+  if (outliers.empty() && norm_reason) {
     outliers = cross_rank_outliers(ranks);
     local = kernels::is_local(static_cast<int>(outliers.size()), static_cast<int>(ranks.size()),
                               false);

@@ -80,7 +80,8 @@ SampleEvidence judge_samples(const Verdict& v, const SampleTable& t, double zsco
   for (int r : v.culprit_ranks) {
     const std::vector<size_t> bad = outlying_samples(t.losses[r], zscore > 0 ? zscore : 6.0);
     for (size_t i : bad) out.quarantine.push_back(t.ids[r][i]);
-    if (bad.empty() && data) out.suspect.insert(out.suspect.end(), t.ids[r].begin(), t.ids[r].end());
+    if (bad.empty() && data)
+      out.suspect.insert(out.suspect.end(), t.ids[r].begin(), t.ids[r].end());
   }
   return out;
 }
@@ -263,7 +264,8 @@ std::string skip_message(const Event& e) {
   return fmt::format(
       "step {}: SKIP ({}) | {} | {} | {} | weights and optimizer state untouched; "
       "skipped {} of {}",
-      e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), samples_text(e), e.counters.skipped_steps, e.step);
+      e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), samples_text(e),
+      e.counters.skipped_steps, e.step);
 }
 
 std::string abort_message(const Event& e, const std::string& saved, const std::string& run_dir) {
