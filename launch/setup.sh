@@ -20,7 +20,8 @@ die() { printf 'lockstep setup: error: %s\n' "$*" >&2; exit 1; }
 # --- Debian packages -------------------------------------------------------
 APT_PACKAGES=(cmake ninja-build g++ ccache lld pkg-config libcli11-dev libspdlog-dev libfmt-dev
   libtomlplusplus-dev nlohmann-json3-dev libgtest-dev libgmock-dev openmpi-bin libopenmpi-dev libgloo-dev
-  python3-venv python3-dev)  # python3-dev: Python.h for the PyTorch package (setup.py)
+  python3-venv python3-dev  # python3-dev: Python.h for the PyTorch package (setup.py)
+  bible-kjv)  # the spike benchmark's corpus (launch/bench_spikes.sh; its smoke runs in ctest)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

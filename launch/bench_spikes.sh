@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The spike benchmark (issue 28): does a policy end a run better? A small Llama on real text (the
+# King James Bible from Debian's bible-kjv package, byte-level shards by `lockstep data shard`),
+# trained clean and with injected bad data (random NaN-loss samples and x1000 loss spikes, 1 %
+# of steps), under each policy, several seeds each. Printed per policy and condition: runs that
+# ended without finishing (a guard or the stock abort on a nonfinite value), loss spikes (rule
+# below), steps skipped and clipped, the final validation loss (mean and spread over the runs
+# that finished) and tokens/s, with the machine and sizes.
+#
+#   launch/bench_spikes.sh [--smoke]     # --smoke: 1 seed, 60 steps, faults on 5 % (ctest runs it)
+#
+# Loss spike: a taken step whose training loss exceeds 1.3 x the median of the 20 steps before
+# it, steps with an injected fault left out. Policies (all with AdamW, lr 3e-2, cosine decay):
+#   none       no clip, no skip (a nonfinite value aborts, as PyTorch's loop would crash)
+#   max_norm   training.max_norm = 1.0, no skip (torchtitan's defence; it aborts on nonfinite)
+#   olmo_skip  skip on a 6-sigma z-score over 128 steps, global spikes skipped too (OLMo-core's
+#              rule; lockstep keeps outliers out of the window where OLMo-core keeps them in)
+#   lockstep   today's default: skip local anomalies, take global spikes clipped to the window
+#   zclip      skip.adaptive_clip = "zclip" (ZClip's EMA clip; local anomalies still skipped)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
+[[ -x "$bin/lockstep" ]] || { echo "bench_spikes: build first (launch/setup.sh)" >&2; exit 1; }
+smoke=0
+[[ "${1:-}" == "--smoke" ]] && smoke=1
+steps=$((smoke ? 60 : 600))
+seeds=$((smoke ? 1 : 3))
+fault_p=$([[ $smoke == 1 ]] && echo 0.05 || echo 0.01)  # the smoke's 60 steps still meet faults
+work="${LOCKSTEP_BENCH_DIR:-$root/build/bench-spikes}"
+mkdir -p "$work/runs"
+
+if ! command -v bible >/dev/null; then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "bench_spikes: the corpus is Debian's bible-kjv; install it (apt-get install bible-kjv)" >&2
+    exit 1
+  fi
+  apt-get install -y -q bible-kjv >/dev/null
+fi
+if [[ ! -s "$work/data/train_000001.bin" ]]; then
+  bible -f "gen1:1-rev22:21" | sed 's/^[^ ]* //' >"$work/kjv.txt"  # verses without references
+  rm -rf "$work/data"
+  "$bin/lockstep" data shard "$work/data" --from "$work/kjv.txt" >/dev/null
+fi
+
+job=(--model.name llama --model.vocab_size 256 --model.dim 64 --model.n_layers 2
+     --model.n_heads 4 --model.max_seq_len 64 --training.seq_len 64
+     --training.local_batch_size 16 --training.steps "$steps" --training.threads 1
+     --optimizer.lr 3e-2 --lr_scheduler.warmup_steps 20 --lr_scheduler.decay_type cosine
+     --data.source file --data.path "$work/data/train_000001.bin"
+     --validation.enable true --validation.dataset_path "$work/data/val_000000.bin"
+     --validation.freq "$steps" --validation.steps 16
+     --checkpoint.enable false --metrics.log_freq 1)
+declare -A policy=(
+  [none]="--skip.enabled false --training.max_norm 0"
+  [max_norm]="--skip.enabled false --training.max_norm 1.0"
+  [olmo_skip]="--skip.enabled true --skip.on_global_spike skip --skip.window 128 --training.max_norm 1.0"
+  [lockstep]="--skip.enabled true --training.max_norm 1.0"
+  [zclip]="--skip.enabled true --skip.adaptive_clip zclip --training.max_norm 1.0"
+)
+order=(none max_norm olmo_skip lockstep zclip)
+
+echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+echo "job: Llama dim 64 x 2 layers (byte vocabulary), 16 x 64 tokens a step, $steps steps, 1 rank x 1 thread, $seeds seed(s); corpus $(wc -c <"$work/kjv.txt") bytes of the King James Bible"
+for cond in clean bad; do
+  for name in "${order[@]}"; do
+    for ((seed = 1; seed <= seeds; ++seed)); do
+      run="$work/runs/$cond-$name-$seed"
+      rm -rf "$run"
+      faults=()
+      [[ $cond == bad ]] && faults=(--fault.random_p "$fault_p" --fault.random_seed "$seed"
+                                    --fault.random_kinds "nan_loss, spike")
+      # shellcheck disable=SC2086
+      "$bin/lockstep" config faults --ranks 1 "${job[@]}" ${policy[$name]} "${faults[@]}" \
+        --training.seed "$seed" >"$work/faults-$cond-$seed.jsonl"
+      set +e
+      # shellcheck disable=SC2086
+      "$bin/lockstep" train --job.dump_folder "$run" "${job[@]}" ${policy[$name]} \
+        "${faults[@]}" --training.seed "$seed" >"$run.log" 2>&1
+      echo $? >"$run.exit"
+      set -e
+    done
+  done
+done
+
+python3 - "$work" "$seeds" "${order[@]}" <<'PY'
+import json, os, statistics, sys
+work, seeds, order = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+
+def records(run):
+    path = f"{run}/metrics.jsonl"
+    return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+
+def spikes(steps, faulty):
+    n = 0
+    for i in range(20, len(steps)):
+        s = steps[i]
+        if s["step"] in faulty or s["decision"] not in ("step", "clip"):
+            continue
+        if s["loss"] > 1.3 * statistics.median(r["loss"] for r in steps[i - 20:i]):
+            n += 1
+    return n
+
+print("| condition | policy | runs finished | loss spikes (mean) | skipped | clipped | final val loss | tok/s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for cond in ("clean", "bad"):
+    for name in order:
+        done, spk, skip, clip, val, tps = 0, [], [], [], [], []
+        for seed in range(1, seeds + 1):
+            run = f"{work}/runs/{cond}-{name}-{seed}"
+            faulty = {json.loads(l)["step"] for l in open(f"{work}/faults-{cond}-{seed}.jsonl")}
+            recs = records(run)
+            steps = [r for r in recs if "event" not in r and isinstance(r.get("loss"), float)]
+            vals = [r["val_loss"] for r in recs if r.get("event") == "validation"]
+            if open(f"{run}.exit").read().strip() == "0" and vals:
+                done += 1
+                val.append(vals[-1])
+            spk.append(spikes(steps, faulty))
+            if steps:
+                skip.append(steps[-1]["skipped_steps"])
+                clip.append(steps[-1].get("clipped_steps", 0))
+                tps.append(statistics.mean(r["tokens_per_s"] for r in steps))
+        mean = lambda x: statistics.mean(x) if x else float("nan")
+        spread = f" ± {statistics.pstdev(val):.3f}" if len(val) > 1 else ""
+        print(f"| {cond} | {name} | {done} of {seeds} | {mean(spk):.1f} | {mean(skip):.1f} | "
+              f"{mean(clip):.1f} | {mean(val):.3f}{spread} | {mean(tps):.0f} |")
+PY
