@@ -110,12 +110,16 @@ Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
                     std::filesystem::path(s.name).filename().string(), s.tokens, s.format,
                     crc_hex(first.data(), first.size() * sizeof(int64_t)));
   }
+  set_excluded_ids(f, excluded);
+  f.items["model.parameters"] = std::to_string(model_size(c.model).parameters);
+  return f;
+}
+
+void set_excluded_ids(Fingerprint& f, const std::vector<int64_t>& excluded) {
   std::vector<int64_t> ids = excluded;
   std::sort(ids.begin(), ids.end());
   f.items["data.exclude_ids"] =
       fmt::format("{} ids, crc32 {}", ids.size(), crc_hex(ids.data(), ids.size() * sizeof(int64_t)));
-  f.items["model.parameters"] = std::to_string(model_size(c.model).parameters);
-  return f;
 }
 
 std::string job_differences(const std::vector<std::map<std::string, std::string>>& per_rank,

@@ -32,6 +32,9 @@ struct Fingerprint {
 // sample ids excluded (data.exclude_ids_file's, with a resumed checkpoint's).
 Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
                             const std::vector<int64_t>& excluded);
+// The fingerprint's excluded-ids item alone, for another list (a resume's carried one): the
+// data files are not read again.
+void set_excluded_ids(Fingerprint& f, const std::vector<int64_t>& excluded);
 
 // One all-gather of each rank's digest; when they differ, a second exchange of every rank's
 // items, and a ConfigError (exit 2) on every rank with job_differences' line. A null comm (one

@@ -60,7 +60,7 @@ std::string exclusion_origin(const DataConfig& d, bool carried) {
 
 // The sample ids never drawn: those the resumed checkpoint carries (`carried`; none on a fresh
 // start), with data.exclude_ids_file's, less data.readmit_ids_file's. A quarantine stays in
-// force across resumes until readmitted. Sets the sampler and the job's fingerprint.
+// force across resumes until readmitted. Sets the sampler and the fingerprint's ids.
 void exclude_samples(Job& j, const std::vector<int64_t>& carried) {
   const DataConfig& d = j.config.data;
   std::set<int64_t> ids(carried.begin(), carried.end());
@@ -72,7 +72,7 @@ void exclude_samples(Job& j, const std::vector<int64_t>& carried) {
   if (!now.empty() || !j.excluded.empty())
     j.sampler->set_excluded(now, exclusion_origin(d, !carried.empty()));
   j.excluded = std::move(now);
-  j.fingerprint = job_fingerprint(j.config, *j.source, j.excluded);
+  set_excluded_ids(j.fingerprint, j.excluded);
 }
 
 void open_data(Job& j) {
@@ -85,6 +85,7 @@ void open_data(Job& j) {
                                 static_cast<uint64_t>(t.seed)});
   j.validator = make_validator(j.config, j.ranks, j.device);
   exclude_samples(j, {});
+  j.fingerprint = job_fingerprint(j.config, *j.source, j.excluded);
   if (!j.excluded.empty())
     log::info("data: {} sample ids excluded by {}", j.excluded.size(), exclusion_origin(d, false));
 }

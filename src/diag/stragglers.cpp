@@ -17,6 +17,15 @@ double median(std::vector<double> x) {
   return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
+// The median of `sorted` (at least 2 values) without its element at `k`: the other ranks'
+// median, averaged over the middle two when they are even in number (unlike the decision core's
+// median_of_others, which takes the lower one), in O(1) from one sort of every rank's value.
+double median_without(const std::vector<double>& sorted, size_t k) {
+  const size_t m = sorted.size() - 1;
+  const auto at = [&](size_t i) { return sorted[i < k ? i : i + 1]; };
+  return m % 2 ? at(m / 2) : 0.5 * (at(m / 2 - 1) + at(m / 2));
+}
+
 }  // namespace
 
 // Two events around the compute on the device's stream; `pending`: recorded, not read yet.
@@ -80,10 +89,13 @@ void StragglerWatch::add(const std::vector<double>& seconds) {
     for (const auto& s : steps_) times.push_back(s[static_cast<size_t>(r)]);
     own[static_cast<size_t>(r)] = median(times);
   }
+  std::vector<double> sorted = own;
+  std::sort(sorted.begin(), sorted.end());
   for (int r = 0; r < world_; ++r) {
-    std::vector<double> others = own;
-    others.erase(others.begin() + r);
-    const double ratio = own[static_cast<size_t>(r)] / median(others);
+    const double v = own[static_cast<size_t>(r)];
+    const auto k = static_cast<size_t>(
+        std::lower_bound(sorted.begin(), sorted.end(), v) - sorted.begin());
+    const double ratio = v / median_without(sorted, k);
     if (ratio < factor_) continue;
     slow_.push_back({r, ratio});
     newly_named_ = newly_named_ || std::none_of(before.begin(), before.end(),
