@@ -41,7 +41,7 @@ enum StatsField : int {
   kStopRequested = 5,  // 1: stop after this step; 2: a stop cut this rank's step short
   kOverflowRuns = 6,
   kBadSamples = 7,
-  kComputeSeconds = 8,  // stragglers only (diag/stragglers.h); no decision reads it
+  kComputeSeconds = 8,  // stragglers (diag/stragglers.h) and skip.max_consecutive_seconds
   kStatsDoubles = 9
 };
 
@@ -352,18 +352,73 @@ LOCKSTEP_HD inline void zclip_record(ZClipState& e, const ZClipRule& rule, doubl
   e.var = rule.alpha * e.var + (1.0 - rule.alpha) * d * d;
 }
 
+// ---- per tensor: AdaGC's clip and SPAM's moment reset (skip.adaptive_clip = "adagc",
+//      skip.spike_moment_reset) -----------------------------------------------------------------
+//
+// AdaGC's rule (arXiv 2502.11034; its constants are the config's defaults): each tensor i keeps
+// a threshold gamma_i. During the first `warmup` taken steps the global clip (training.max_norm)
+// acts alone and gamma_i tracks the minimum of the tensor's norms as taken; after them a tensor
+// whose norm n_i exceeds lambda * gamma_i is scaled down to that bound, and gamma_i = beta *
+// gamma_i + (1 - beta) * (its norm as taken). The norms are those of the update the global
+// decision takes (unscaled, after its clip); only taken steps move gamma, and a nonfinite norm
+// never does. The same thresholds name the tensors a global spike hit (SPAM's idea, arXiv
+// 2501.06842: their AdamW moments are reset). Every rank holds every rank's per-tensor partial
+// sums (one more small all-gather) and adds them in rank order: the same factors everywhere.
+
+struct TensorRule {
+  int32_t clip = 0;  // skip.adaptive_clip = "adagc": scale the tensors above their bound down
+  double lambda = 1.05, beta = 0.98;
+  int64_t warmup = 100;
+};
+
+// Tensor i's global sum of squares from the [world, tensors] table of partial sums.
+LOCKSTEP_HD inline double tensor_sumsq(const double* table, int world, int tensors, int i) {
+  double s = 0;
+  for (int r = 0; r < world; ++r) s += table[r * tensors + i];
+  return s;
+}
+
+// The factor tensor i's update is scaled by (1: none); `count`: taken steps seen so far;
+// `norm`: the tensor's norm as the global decision takes it.
+LOCKSTEP_HD inline double tensor_clip_factor(const TensorRule& r, int64_t count, double gamma,
+                                             double norm) {
+  if (!r.clip || count < r.warmup || !std::isfinite(norm) || !(norm > r.lambda * gamma))
+    return 1.0;
+  return r.lambda * gamma / norm;
+}
+
+// Tensor i's threshold after a taken step whose norm as taken (factor applied) is `taken`.
+LOCKSTEP_HD inline double tensor_threshold_after(const TensorRule& r, int64_t count, double gamma,
+                                                 double taken) {
+  if (!std::isfinite(taken)) return gamma;
+  if (count == 0) return taken;
+  if (count < r.warmup) return min_of(gamma, taken);
+  return r.beta * gamma + (1.0 - r.beta) * taken;
+}
+
+// Whether tensor i's norm (unscaled, before any clip) stands above its bound: a global spike
+// hit it.
+LOCKSTEP_HD inline bool tensor_spiked(const TensorRule& r, int64_t count, double gamma,
+                                      double norm) {
+  return count > 0 && std::isfinite(norm) && norm > r.lambda * gamma;
+}
+
 // ---- guards -----------------------------------------------------------------------------------
 
-enum Guard : int { kNoGuard = 0, kMaxConsecutive = 1, kMaxFraction = 2 };
+enum Guard : int { kNoGuard = 0, kMaxConsecutive = 1, kMaxFraction = 2, kMaxSeconds = 3 };
 
 // The guard a skip now would trip. `recent_skips` of the last `recent` decisions (at most
 // fraction_window; `oldest_skipped`: the oldest of them was a skip); `*skips_in_window` gets
-// the skips the window would hold with this one.
+// the skips the window would hold with this one. `skip_seconds`: the compute seconds the skips
+// in a row would have cost with this one, against max_seconds (skip.max_consecutive_seconds;
+// 0 = off).
 LOCKSTEP_HD inline Guard guard_tripped(int64_t consecutive, int64_t max_consecutive,
                                        int64_t recent_skips, int64_t recent, bool oldest_skipped,
                                        double max_fraction, int64_t fraction_window,
+                                       double skip_seconds, double max_seconds,
                                        int64_t* skips_in_window) {
   if (max_consecutive > 0 && consecutive + 1 > max_consecutive) return kMaxConsecutive;
+  if (max_seconds > 0 && skip_seconds > max_seconds) return kMaxSeconds;
   if (max_fraction <= 0) return kNoGuard;
   int64_t skips = recent_skips + 1;
   if (recent == fraction_window && oldest_skipped) --skips;
@@ -481,6 +536,7 @@ struct DecideState {
   int64_t recent_skips;
   LossScaleState scale;
   int64_t consecutive_skips;
+  double consecutive_skip_seconds;  // the compute seconds (slowest rank's) those skips cost
   ZClipState zclip;
   int32_t aborted;  // once set, every later decision is an abort: no update lands after it
 };
@@ -535,6 +591,7 @@ struct DecideConfig {
   int64_t loss_scale_max_overflows = 0;
   double loss_scale_min = 0;
   int64_t max_consecutive = 0;  // skip guards
+  double max_consecutive_seconds = 0;
   double max_fraction = 0;
   int64_t fraction_window = 0;
   int32_t on_global_spike = kSpikeSkip;  // GlobalSpike
@@ -569,6 +626,7 @@ struct DecideResult {
   double grad_norm, loss, grad_norm_z, loss_z, clip, loss_scale;
   double nonfinite, overflow_runs;  // the global counts: nonfinite elements, fp32-overflowed runs
   double clip_to;     // a clip decision's bound (0: none)
+  double seconds;     // the slowest rank's compute seconds (the table's kComputeSeconds)
   uint32_t reasons;   // kNonfiniteGrad, ... (an overflow: kNonfiniteGrad with `overflow`)
   int32_t outcome;    // Outcome
   int32_t why;        // Guard, 10 + ScaleGuard, or AbortWhy
@@ -627,9 +685,10 @@ LOCKSTEP_HD inline void apply_policy(const double* table, int world, const Decid
     return;
   }
   const bool oldest = s.recent.size > 0 && ring_at(s.recent, 0) != 0;
-  const Guard guard =
-      guard_tripped(s.consecutive_skips, c.max_consecutive, s.recent_skips, s.recent.size, oldest,
-                    c.max_fraction, c.fraction_window, &out.skips_in_window);
+  const Guard guard = guard_tripped(s.consecutive_skips, c.max_consecutive, s.recent_skips,
+                                    s.recent.size, oldest, c.max_fraction, c.fraction_window,
+                                    s.consecutive_skip_seconds + out.seconds,
+                                    c.max_consecutive_seconds, &out.skips_in_window);
   out.outcome = guard == kNoGuard ? kSkipStep : kAbortRun;
   out.why = guard;
 }
@@ -664,7 +723,10 @@ LOCKSTEP_HD inline void score_numbers(const double* table, int world, const Deci
   out.reasons = reasons_of(g, out.grad_norm, out.grad_norm_z, out.loss_z, c.thresholds);
   const double zclip_z = zclip_zscore(s.zclip, c.zclip, out.grad_norm);
   if (c.thresholds.enabled && !out.overflow && zclip_z > c.zclip.z) out.reasons |= kGradNormZClip;
-  for (int i = 0; i < world; ++i) out.salvaged |= dropped(i) ? 1 : 0;
+  for (int i = 0; i < world; ++i) {
+    out.salvaged |= dropped(i) ? 1 : 0;
+    out.seconds = max_of(out.seconds, stat(i, kComputeSeconds));
+  }
 }
 
 // The numbers and the outcome of one step; `s` is not changed (but for its scratch).
@@ -722,8 +784,10 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
   const bool skipped = r.outcome == kSkipStep;
   if (skipped) {
     ++s.consecutive_skips;
+    s.consecutive_skip_seconds += r.seconds;
   } else {
     s.consecutive_skips = 0;
+    s.consecutive_skip_seconds = 0;
     const auto ls = [&s](int64_t i) { return ring_at(s.losses, i); };
     const double loss = r.clipped ? window_bounded(ls, s.losses.size, r.loss,
                                                    c.thresholds.loss_zscore, c.min_history)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The spike benchmark (issue 28): does a policy end a run better? A small Llama on real text (the
 # King James Bible from Debian's bible-kjv package, byte-level shards by `lockstep data shard`),
-# trained clean and with injected bad data (random NaN-loss samples and x1000 loss spikes, 1 %
-# of steps), under each policy, several seeds each. Printed per policy and condition: runs that
+# trained clean, with injected bad data (random NaN-loss samples and x1000 loss spikes, 1 % of
+# steps) and spiky (x20 loss spikes, the gradient with them, on 5 % of steps: nothing
+# nonfinite, so the policies that cannot skip finish too), under each policy, several seeds each. Printed per policy and condition: runs that
 # ended without finishing (a guard or the stock abort on a nonfinite value), loss spikes (rule
 # below), steps skipped and clipped, the final validation loss (mean and spread over the runs
 # that finished) and tokens/s, with the machine and sizes.
@@ -17,6 +18,9 @@
 #              rule; lockstep keeps outliers out of the window where OLMo-core keeps them in)
 #   lockstep   today's default: skip local anomalies, take global spikes clipped to the window
 #   zclip      skip.adaptive_clip = "zclip" (ZClip's EMA clip; local anomalies still skipped)
+#   adagc      skip.adaptive_clip = "adagc" (AdaGC's per-tensor clip; local anomalies skipped)
+#   +reset     the same with skip.spike_moment_reset (SPAM's reset of the moments a global
+#              spike hit), for the policies that skip or clip global spikes
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
@@ -56,12 +60,15 @@ declare -A policy=(
   [olmo_skip]="--skip.enabled true --skip.on_global_spike skip --skip.window 128 --training.max_norm 1.0"
   [lockstep]="--skip.enabled true --training.max_norm 1.0"
   [zclip]="--skip.enabled true --skip.adaptive_clip zclip --training.max_norm 1.0"
+  [adagc]="--skip.enabled true --skip.adaptive_clip adagc --training.max_norm 1.0"
 )
-order=(none max_norm olmo_skip lockstep zclip)
+for p in olmo_skip lockstep adagc; do policy[$p+reset]="${policy[$p]} --skip.spike_moment_reset true"; done
+order=(none max_norm olmo_skip olmo_skip+reset lockstep lockstep+reset zclip adagc adagc+reset)
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 echo "job: Llama dim 64 x 2 layers (byte vocabulary), 16 x 64 tokens a step, $steps steps, 1 rank x 1 thread, $seeds seed(s); corpus $(wc -c <"$work/kjv.txt") bytes of the King James Bible"
-for cond in clean bad; do
+conditions=(clean bad spiky)
+for cond in "${conditions[@]}"; do
   for name in "${order[@]}"; do
     for ((seed = 1; seed <= seeds; ++seed)); do
       run="$work/runs/$cond-$name-$seed"
@@ -69,6 +76,8 @@ for cond in clean bad; do
       faults=()
       [[ $cond == bad ]] && faults=(--fault.random_p "$fault_p" --fault.random_seed "$seed"
                                     --fault.random_kinds "nan_loss, spike")
+      [[ $cond == spiky ]] && faults=(--fault.random_p 0.05 --fault.random_seed "$seed"
+                                      --fault.random_kinds spike --fault.spike_factor 20)
       # shellcheck disable=SC2086
       "$bin/lockstep" config faults --ranks 1 "${job[@]}" ${policy[$name]} "${faults[@]}" \
         --training.seed "$seed" >"$work/faults-$cond-$seed.jsonl"
@@ -100,11 +109,11 @@ def spikes(steps, faulty):
             n += 1
     return n
 
-print("| condition | policy | runs finished | loss spikes (mean) | skipped | clipped | final val loss | tok/s |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-for cond in ("clean", "bad"):
+print("| condition | policy | runs finished | loss spikes (mean) | skipped | clipped | tensor clips | moment resets | final val loss | tok/s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for cond in ("clean", "bad", "spiky"):
     for name in order:
-        done, spk, skip, clip, val, tps = 0, [], [], [], [], []
+        done, spk, skip, clip, tclip, reset, val, tps = 0, [], [], [], [], [], [], []
         for seed in range(1, seeds + 1):
             run = f"{work}/runs/{cond}-{name}-{seed}"
             faulty = {json.loads(l)["step"] for l in open(f"{work}/faults-{cond}-{seed}.jsonl")}
@@ -118,9 +127,12 @@ for cond in ("clean", "bad"):
             if steps:
                 skip.append(steps[-1]["skipped_steps"])
                 clip.append(steps[-1].get("clipped_steps", 0))
+                tclip.append(steps[-1].get("tensor_clips", 0))
+                reset.append(steps[-1].get("moment_resets", 0))
                 tps.append(statistics.mean(r["tokens_per_s"] for r in steps))
         mean = lambda x: statistics.mean(x) if x else float("nan")
         spread = f" ± {statistics.pstdev(val):.3f}" if len(val) > 1 else ""
         print(f"| {cond} | {name} | {done} of {seeds} | {mean(spk):.1f} | {mean(skip):.1f} | "
-              f"{mean(clip):.1f} | {mean(val):.3f}{spread} | {mean(tps):.0f} |")
+              f"{mean(clip):.1f} | {mean(tclip):.1f} | {mean(reset):.1f} | "
+              f"{mean(val):.3f}{spread} | {mean(tps):.0f} |")
 PY

@@ -47,7 +47,7 @@ LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
 LOCKSTEP_CHOICES(ReducePrecision, "float32", "bfloat16")
 LOCKSTEP_CHOICES(OnExisting, "refuse", "archive", "overwrite")
 LOCKSTEP_CHOICES(OnGlobalSpike, "clip", "skip", "abort")
-LOCKSTEP_CHOICES(AdaptiveClip, "off", "zclip")
+LOCKSTEP_CHOICES(AdaptiveClip, "off", "zclip", "adagc")
 LOCKSTEP_CHOICES(SkipScope, "step", "rank")
 LOCKSTEP_CHOICES(Replay, "off", "self", "peer")
 LOCKSTEP_CHOICES(OnHardwareFault, "warn", "abort")
@@ -411,9 +411,20 @@ void skip_fields(std::vector<Field>& t) {
                         "z-scores act once the window holds this many accepted steps"));
   t.push_back(int_field("skip", "max_consecutive", &C::skip, &S::max_consecutive, 0, kMaxInt,
                         "guard: abort after this many skips in a row; 0 = off"));
+  t.push_back(int_field("skip", "max_consecutive_tokens", &C::skip, &S::max_consecutive_tokens,
+                        0, kMaxInt,
+                        "guard: abort when the skips in a row would discard more than this many "
+                        "tokens (global batch tokens per skipped step; with max_consecutive set "
+                        "too the tighter acts); 0 = off"));
+  t.push_back(float_field("skip", "max_consecutive_seconds", &C::skip,
+                          &S::max_consecutive_seconds, 0, false, kInf,
+                          "guard: abort when the skips in a row have cost more than this many "
+                          "seconds of compute (forward, backward, check: the slowest rank's, "
+                          "from the exchanged table, so every rank agrees); 0 = off"));
   t.push_back(float_field("skip", "max_fraction", &C::skip, &S::max_fraction, 0, false, 1,
                           "guard: abort when the skips in the last fraction_window steps "
-                          "exceed this share of it; 0 = off"));
+                          "exceed this share of it (of its tokens too: every step holds as "
+                          "many); 0 = off"));
   t.push_back(int_field("skip", "fraction_window", &C::skip, &S::fraction_window, 1, 1 << 20,
                         "steps over which max_fraction counts skips"));
   t.push_back(choice_field("skip", "on_global_spike", &C::skip, &S::on_global_spike,
@@ -425,7 +436,11 @@ void skip_fields(std::vector<Field>& t) {
                            "norm's mean and variance; a taken step whose norm's z-score against "
                            "it exceeds zclip_zscore is clipped to mean + zclip_zscore^2 x std / "
                            "z (and a global spike to the same bound); a local anomaly is still "
-                           "skipped; off = the window's bound only"));
+                           "skipped; adagc = AdaGC's rule (arXiv 2502.11034): after "
+                           "adagc_warmup taken steps of global clipping, each tensor whose norm "
+                           "exceeds adagc_lambda x an EMA of its own norms is scaled down to it "
+                           "(one more small all-gather a step; the host decides); off = the "
+                           "window's bound only"));
   t.push_back(float_field("skip", "zclip_alpha", &C::skip, &S::zclip_alpha, 0, true, 1,
                           "ZClip's EMA smoothing factor (its default 0.97)"));
   t.push_back(float_field("skip", "zclip_zscore", &C::skip, &S::zclip_zscore, 0, true, kInf,
@@ -433,6 +448,20 @@ void skip_fields(std::vector<Field>& t) {
   t.push_back(int_field("skip", "zclip_warmup", &C::skip, &S::zclip_warmup, 1, 1 << 20,
                         "taken steps whose norms initialise ZClip's mean and variance (its "
                         "default 25); no ZClip clip before"));
+  t.push_back(float_field("skip", "adagc_lambda", &C::skip, &S::adagc_lambda, 0, true, kInf,
+                          "AdaGC's relative threshold: a tensor is clipped to this x its EMA "
+                          "(its default 1.05); also spike_moment_reset's"));
+  t.push_back(float_field("skip", "adagc_beta", &C::skip, &S::adagc_beta, 0, false, 0.999999,
+                          "AdaGC's EMA smoothing of each tensor's norm (its default 0.98)"));
+  t.push_back(int_field("skip", "adagc_warmup", &C::skip, &S::adagc_warmup, 1, 1 << 20,
+                        "taken steps of global clipping (training.max_norm) before AdaGC clips "
+                        "tensors; each tensor's threshold tracks its smallest norm meanwhile "
+                        "(its T_start, 100)"));
+  t.push_back(bool_field("skip", "spike_moment_reset", &C::skip, &S::spike_moment_reset,
+                         "SPAM's moment reset (arXiv 2501.06842): a global spike skipped or "
+                         "clipped zeroes the AdamW moments of the tensors whose norm stood above "
+                         "adagc_lambda x their own EMA (step counts kept: their next update is "
+                         "(1 - beta1) / sqrt(1 - beta2) of Adam's usual size, 0.45 at 0.9/0.95)"));
   t.push_back(choice_field("skip", "scope", &C::skip, &S::scope,
                            "a local anomaly (a minority of ranks): step = skip the whole step; "
                            "rank = those ranks contribute nothing and the rest step (one more "
@@ -942,6 +971,9 @@ void validate_cross(const Config& c) {
   if (c.skip.adaptive_clip != AdaptiveClip::kOff && !c.skip.enabled)
     throw ConfigError("invalid value for 'skip.adaptive_clip': it is a policy of the decision "
                       "(a local anomaly is still skipped); set skip.enabled = true");
+  if (c.skip.spike_moment_reset && !c.skip.enabled)
+    throw ConfigError("invalid value for 'skip.spike_moment_reset': it acts on global spikes "
+                      "the decision finds; set skip.enabled = true");
   if (c.skip.min_history > c.skip.window)
     throw ConfigError(fmt::format(
         "invalid value for 'skip.min_history': {} exceeds skip.window = {}; lower "
@@ -1018,6 +1050,8 @@ std::string device_decision_blocker(const Config& c) {
     return fmt::format("diagnostics.replay_every = {}", c.diagnostics.replay_every);
   if (c.lr_scheduler.on_skip != OnSkip::kAdvance)
     return fmt::format("lr_scheduler.on_skip = \"{}\"", name_of(c.lr_scheduler.on_skip));
+  if (c.skip.adaptive_clip == AdaptiveClip::kAdaGC) return "skip.adaptive_clip = \"adagc\"";
+  if (c.skip.spike_moment_reset) return "skip.spike_moment_reset = true";
   return "";
 }
 

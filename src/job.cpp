@@ -108,6 +108,9 @@ void build_model(Job& j) {
     check->run_range(lo, hi);
   });
   if (c.diagnostics.local_check) j.local_check = std::make_unique<GradCheck>(j.dp->grads());
+  std::vector<std::string> names;
+  for (const NamedTensor& g : j.dp->synced_grads()) names.push_back(g.name);
+  j.tensors = std::make_unique<TensorPolicies>(c.skip, std::move(names), j.comm.get());
 }
 
 // One device's peak FLOP/s for MFU: metrics.peak_tflops, else a known GPU's.
@@ -208,7 +211,10 @@ std::unique_ptr<Job> build_job(const Config& config) {
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   build_model(j);
   j.peak_flops = peak_flops(c, j.device);
-  j.detector = std::make_unique<SkipDetector>(c.skip, c.training, j.ranks.world_size);
+  j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
+                      c.training.gradient_accumulation_steps * j.ranks.world_size;
+  j.detector = std::make_unique<SkipDetector>(with_token_guard(c.skip, j.tokens_per_step),
+                                              c.training, j.ranks.world_size);
   // A replay on the CPU reproduces bit for bit; GPU kernels (atomics in the embedding backward)
   // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
   j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),
@@ -224,8 +230,6 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.checkpointer = std::make_unique<Checkpointer>(
       CheckpointOptions{folder.starts_with("/") ? folder : j.run_dir + "/" + folder,
                         c.checkpoint.keep_latest_k, c.checkpoint.timeout_seconds});
-  j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
-                      c.training.gradient_accumulation_steps * j.ranks.world_size;
   return job;
 }
 
@@ -264,6 +268,8 @@ void load(Job& j, int64_t step) {
   const double secs = seconds_since(start);
   j.sampler->set_position(j.state.data_position);
   if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
+  if (j.tensors->active() && j.state.detector.contains("tensors"))  // else: a fresh warm-up
+    j.tensors->load_state(j.state.detector.at("tensors"));
   if (j.config.skip.reset_guards_on_resume && j.detector->consecutive_skips() > 0) {
     log::warn_shared("skip.reset_guards_on_resume: the skip guards count from 0 again ({} skips "
                      "in a row before)",
@@ -335,6 +341,7 @@ void resume(Job& j) {
 std::string save_checkpoint(Job& j) {
   if (!j.config.checkpoint.enable) return "";
   j.state.detector = j.detector->state();
+  if (j.tensors->active()) j.state.detector["tensors"] = j.tensors->state();
   j.state.loss_scale = j.detector->loss_scale_state();
   const double before = resident_mib();
   const bool peak = reset_peak_resident();

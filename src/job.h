@@ -15,6 +15,7 @@
 #include "checkpoint/checkpointer.h"
 #include "comm/comm.h"
 #include "decide/detector.h"
+#include "decide/tensor_policies.h"
 #include "decide/device_decision.h"
 #include "decide/triage.h"
 #include "diag/event.h"
@@ -52,6 +53,7 @@ struct Job {
   std::unique_ptr<GradCheck> local_check;    // [A] this rank's own gradient; null when off
   std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
   std::unique_ptr<SkipDetector> detector;    // the decision and its windows
+  std::unique_ptr<TensorPolicies> tensors;   // its per-tensor policies (AdaGC, SPAM's reset)
   std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
   std::unique_ptr<DeviceDecision> decision;  // skip.device_decision; null: the host decides
   std::map<int, std::vector<int64_t>> suspects;  // ranks a replay or probe blamed, by step

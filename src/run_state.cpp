@@ -13,6 +13,8 @@ void count(RunCounters& st, const Verdict& v, int64_t tokens, int64_t data_posit
   st.overflow_skips += v.overflow ? 1 : 0;
   st.clipped_steps += v.decision == Decision::kClip ? 1 : 0;
   st.salvaged_steps += v.decision == Decision::kSalvage ? 1 : 0;
+  st.tensor_clips += v.tensors_clipped;
+  st.moment_resets += static_cast<int64_t>(v.moments_reset.size());
   if (v.decision == Decision::kSalvage)  // a skip or an abort drops nothing from an update
     st.dropped_contributions += static_cast<int64_t>(v.dropped_ranks.size());
   for (int r : v.hardware_suspects) {

@@ -27,6 +27,8 @@ struct RunCounters {
   int64_t dropped_contributions = 0;  // rank contributions dropped by salvages, in all
   int64_t transient_faults = 0;  // culprits whose replay came out clean
   int64_t hardware_faults = 0;   // culprits or probe targets blamed on their device
+  int64_t tensor_clips = 0;      // tensors AdaGC clipped, summed over steps
+  int64_t moment_resets = 0;     // tensors whose moments a spike reset, summed over steps
 };
 
 // What a resumed run continues from: the counters and the decision's state.
@@ -57,6 +59,8 @@ inline constexpr RunCounter kRunCounters[] = {
     {"dropped_contributions", &RunCounters::dropped_contributions, false},
     {"transient_faults", &RunCounters::transient_faults, false},
     {"hardware_faults", &RunCounters::hardware_faults, false},
+    {"tensor_clips", &RunCounters::tensor_clips, false},
+    {"moment_resets", &RunCounters::moment_resets, false},
 };
 
 // The decided step's effect on the counters, the only place they change: one more step, an

@@ -4,7 +4,8 @@
 //   -> triage (skip.scope = "rank", skip.replay): local outliers, replays, ranks to drop
 //   -> measure: the gradient sync, [B] the slice it checks, one small all-gather of every
 //               rank's 72-byte stats; the probe (diagnostics.replay_every)
-//   -> decide: STEP, SKIP, CLIP, SALVAGE or ABORT, the same on every rank by construction
+//   -> decide: STEP, SKIP, CLIP, SALVAGE or ABORT, the same on every rank by construction;
+//              then per tensor (AdaGC's clip, SPAM's moment reset: decide/tensor_policies.h)
 //   -> explain: only when anomalous (events, scope and cause, culprits, samples, parameters)
 //   -> apply: fused AdamW with found_inf (a skip) and grad_scale (the clip), counters
 //
@@ -55,13 +56,6 @@ RankStep compute(Job& job, int64_t step) {
   return s;
 }
 
-// Every rank's compute seconds, the table's column (stragglers).
-std::vector<double> compute_times(const std::vector<RankStats>& table) {
-  std::vector<double> out;
-  for (const RankStats& r : table) out.push_back(r.compute_seconds);
-  return out;
-}
-
 // The gradient sync (a rank the triage dropped contributes zeros), [B] the slice this rank
 // checks, and this rank's 72-byte row of stats, built on the device.
 at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
@@ -107,8 +101,10 @@ void explain_step(Job& job, RankStep& s, const Verdict& v, const std::vector<Ran
 }
 
 // The update (sharded: then the all-gather of the blocks); a skip reaches the fused AdamW as
-// found_inf = 1: parameters, moments and step counts stay bitwise as they were.
-void update(Job& job, double lr, const UpdateControl& control) {
+// found_inf = 1: parameters, moments and step counts stay bitwise as they were. The per-tensor
+// policies act first (moments a global spike hit zeroed, clipped tensors scaled down).
+void update(Job& job, double lr, const UpdateControl& control, const TensorActions& tensors = {}) {
+  tensors.apply_to(job.dp->optimizer());
   job.dp->apply(lr, control);
   job.dp->zero_grad();
   job.faults->after_update(job.model->parameters());
@@ -135,13 +131,14 @@ void decide_on_host(Job& job, Issued& i) {
   StepResult r{job.detector->decide(table, triage), i.lr};
   s.costs.decision += seconds_since(start);
   r.compute_seconds = compute_times(table);
+  const TensorActions tensors = job.tensors->step(s.shard_stats, r.verdict);  // per tensor
   const Verdict& v = r.verdict;
   warn_overflow(i.step, v);
   explain_step(job, s, v, table, i.lr, job.sampler->position());
   // The clip (the core's, against training.max_norm or a clip decision's lower bound) and the
   // loss scale are divided out in the update's one pass (grad_scale = scale / clip).
   r.clip = v.clip;
-  update(job, i.lr, {v.decision == Decision::kSkip, r.clip, v.loss_scale});
+  update(job, i.lr, {v.decision == Decision::kSkip, r.clip, v.loss_scale}, tensors);
   i.decided = std::move(r);
 }
 

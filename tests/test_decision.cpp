@@ -40,6 +40,7 @@ std::string guard_prefix(int32_t why) {
   switch (why) {
     case kernels::kMaxConsecutive: return "skip.max_consecutive";
     case kernels::kMaxFraction: return "skip.max_fraction";
+    case kernels::kMaxSeconds: return "skip.max_consecutive_seconds";
     case 10 + kernels::kMaxOverflows: return "training.loss_scale_max_overflows";
     case 10 + kernels::kScaleMin: return "training.loss_scale_min";
     case kernels::kSkipDisabled: return "skip.enabled = false";
@@ -53,10 +54,12 @@ struct Policy {
   const char* scaling;
   OnGlobalSpike on_global_spike;
   AdaptiveClip adaptive_clip = AdaptiveClip::kOff;
+  double max_seconds = 0;  // skip.max_consecutive_seconds (the table then carries compute times)
 };
 
 struct Counts {
   int taken = 0, skipped = 0, clipped = 0, aborted = 0, global_aborts = 0, overflows = 0;
+  int seconds_aborts = 0;
 };
 
 // The device's state is the host's, byte for byte: every ring (global, recent, each rank's own,
@@ -76,6 +79,7 @@ void expect_same_state(const DeviceState& dev, const SkipDetector& detector, int
   EXPECT_EQ(dev.s.scale.growth_tracker, h.scale.growth_tracker) << at;
   EXPECT_EQ(dev.s.scale.consecutive_overflows, h.scale.consecutive_overflows) << at;
   EXPECT_EQ(dev.s.consecutive_skips, h.consecutive_skips) << at;
+  EXPECT_TRUE(same_bits(dev.s.consecutive_skip_seconds, h.consecutive_skip_seconds)) << at;
   EXPECT_EQ(dev.s.recent_skips, h.recent_skips) << at;
   EXPECT_EQ(dev.s.zclip.count, h.zclip.count) << at;
   for (const auto& [d, w] : {std::pair{dev.s.zclip.mean, h.zclip.mean},
@@ -119,6 +123,7 @@ bool decide_both(const std::vector<RankStats>& table, SkipDetector& detector, De
     EXPECT_EQ(found_inf, 1.0f) << at;
     ++n.aborted;
     n.global_aborts += v.guard == "skip.on_global_spike = abort";
+    n.seconds_aborts += v.guard.starts_with("skip.max_consecutive_seconds") ? 1 : 0;
     return false;
   }
   // The clip the trainer applies (the verdict's), against training.max_norm by hand.
@@ -143,14 +148,14 @@ bool decide_both(const std::vector<RankStats>& table, SkipDetector& detector, De
 }  // namespace
 
 TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
-  std::mt19937_64 rng(20261204);
   for (int world : {1, 2, 3, 4, 8})
     for (const Policy policy :
          {Policy{true, "none", OnGlobalSpike::kClip}, Policy{true, "dynamic", OnGlobalSpike::kClip},
           Policy{true, "none", OnGlobalSpike::kSkip}, Policy{true, "none", OnGlobalSpike::kAbort},
           Policy{false, "none", OnGlobalSpike::kClip},
           Policy{true, "none", OnGlobalSpike::kClip, AdaptiveClip::kZClip},
-          Policy{true, "dynamic", OnGlobalSpike::kSkip, AdaptiveClip::kZClip}}) {
+          Policy{true, "dynamic", OnGlobalSpike::kSkip, AdaptiveClip::kZClip},
+          Policy{true, "none", OnGlobalSpike::kSkip, AdaptiveClip::kOff, 0.9}}) {
       SkipConfig cfg;
       cfg.enabled = policy.enabled;
       cfg.on_global_spike = policy.on_global_spike;
@@ -159,7 +164,8 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       cfg.window = 32;
       cfg.min_history = 8;
       cfg.max_grad_norm = 40;
-      cfg.max_consecutive = 2;
+      cfg.max_consecutive = policy.max_seconds > 0 ? 0 : 2;
+      cfg.max_consecutive_seconds = policy.max_seconds;
       cfg.max_fraction = 0.1;
       cfg.fraction_window = 20;
       TrainingConfig training;
@@ -173,7 +179,10 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       const std::string what = std::to_string(world) + " ranks, skip " +
                                (policy.enabled ? "on, " : "off, ") + policy.scaling + ", " +
                                std::string(name_of(policy.on_global_spike)) + ", " +
-                               std::string(name_of(policy.adaptive_clip));
+                               std::string(name_of(policy.adaptive_clip)) +
+                               (policy.max_seconds > 0 ? ", seconds guard" : "");
+      std::mt19937_64 rng(20261204 + std::hash<std::string>{}(what));  // each case its own
+      std::mt19937_64 clock(world);  // compute times apart: the faults stay those of the seed
       Counts n;
       for (int run = 0; run < 40 && n.taken < 2000; ++run) {  // a fresh run after every abort
         SkipDetector detector(cfg, training, world);
@@ -181,7 +190,9 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
         for (int step = 1; step <= 400; ++step) {
           const std::string at = what + ", run " + std::to_string(run) + ", step " +
                                  std::to_string(step);
-          const auto table = test::random_step(rng, world, detector.loss_scale());
+          auto table = test::random_step(rng, world, detector.loss_scale());
+          if (policy.max_seconds > 0)  // each rank's compute time: the slowest one's counts
+            for (RankStats& r : table) r.compute_seconds = 0.2 + 0.6 * (clock() % 1000) / 1000.0;
           if (!decide_both(table, detector, dev, training, config, n, at)) break;
           if (HasFailure()) FAIL() << "first difference: " << at;
         }
@@ -202,6 +213,9 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       }
       if (policy.enabled && policy.on_global_spike == OnGlobalSpike::kAbort && world > 1) {
         EXPECT_GT(n.global_aborts, 3) << what;
+      }
+      if (policy.max_seconds > 0) {
+        EXPECT_GT(n.seconds_aborts, 3) << what;
       }
       if (std::string(policy.scaling) == "dynamic") {
         EXPECT_GT(n.overflows, 5) << what;

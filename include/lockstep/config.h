@@ -32,7 +32,8 @@ enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16
 enum class ReducePrecision { kFloat32, kBFloat16 };
 enum class OnExisting { kRefuse, kArchive, kOverwrite };  // a fresh start in a used run folder
 enum class OnGlobalSpike { kClip, kSkip, kAbort };  // most ranks elevated: the model, not data
-enum class AdaptiveClip { kOff, kZClip };  // zclip: ZClip's EMA clip of the global norm
+// zclip: ZClip's EMA clip of the global norm; adagc: AdaGC's clip of each tensor to its own EMA
+enum class AdaptiveClip { kOff, kZClip, kAdaGC };
 enum class SkipScope { kStep, kRank };     // a local anomaly skips the step, or drops the rank
 enum class Replay { kOff, kSelf, kPeer };  // recompute a culprit's batch to tell data from faults
 enum class OnHardwareFault { kWarn, kAbort };
@@ -198,6 +199,9 @@ struct SkipConfig {
   int64_t window = 128;          // accepted steps in the rolling window
   int64_t min_history = 32;      // z-scores act once the window holds this many steps
   int64_t max_consecutive = 10;  // guard: abort after this many skips in a row; 0 = off
+  // The same guard in units that mean something (0 = off; the tighter of the set ones acts):
+  int64_t max_consecutive_tokens = 0;   // ... skipped tokens in a row (steps x tokens a step)
+  double max_consecutive_seconds = 0;   // ... compute seconds the skips in a row cost
   double max_fraction = 0.1;     // guard: abort when skips exceed this share of fraction_window
   int64_t fraction_window = 1000;
   // Scope and cause (docs: README "Why was this step skipped?").
@@ -208,6 +212,13 @@ struct SkipConfig {
   double zclip_alpha = 0.97;   // the EMA's smoothing (ZClip's alpha)
   double zclip_zscore = 2.5;   // ZClip's z_thresh
   int64_t zclip_warmup = 25;   // taken steps whose norms initialise the EMA (ZClip's warm-up)
+  // AdaGC (arXiv 2502.11034): each tensor clipped to adagc_lambda x an EMA of its own norms.
+  double adagc_lambda = 1.05;  // AdaGC's lambda_rel
+  double adagc_beta = 0.98;    // AdaGC's beta
+  int64_t adagc_warmup = 100;  // taken steps of global clipping first (AdaGC's T_start)
+  // SPAM (arXiv 2501.06842): a global spike skipped or clipped zeroes the AdamW moments of the
+  // tensors whose norm stood above adagc_lambda x their own EMA.
+  bool spike_moment_reset = false;
   SkipScope scope = SkipScope::kStep;
   double max_dropped_fraction = 0.25;  // scope = rank: beyond this share of ranks, skip the step
   Replay replay = Replay::kOff;

@@ -21,8 +21,8 @@ struct RankStats {
                                // micro-batches): its gradient is partial
   double overflow_runs = 0;    // [B] runs whose fp32 sum of squares overflowed (summed in fp64)
   double bad_samples = 0;      // samples of this rank's batch whose loss is nonfinite
-  double compute_seconds = 0;  // its forward, backward and check [A] (diag/stragglers.h); not
-                               // part of the decision; 0 = not measured
+  double compute_seconds = 0;  // its forward, backward and check [A] (diag/stragglers.h, and
+                               // skip.max_consecutive_seconds' count); 0 = not measured
 };
 static_assert(sizeof(RankStats) == 72, "one step's stats are 72 bytes per rank");
 constexpr int kRankStatsDoubles = 9;
@@ -76,6 +76,10 @@ struct Verdict {
   std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed
   double clip_to = 0;                  // clip: the grad norm the step is clipped to
   double clip = 1;                     // a taken step's update is scaled by this (<= 1)
+  double compute_seconds = 0;          // the slowest rank's compute (skip.max_consecutive_seconds)
+  // The per-tensor policies' part (decide/tensor_policies.h), on the same table everywhere:
+  int64_t tensors_clipped = 0;             // AdaGC scaled this many tensors down
+  std::vector<std::string> moments_reset;  // a global spike hit these: their moments zeroed
   // Something to explain: not a plain step (a transient fault repaired by a replay, or a probe
   // mismatch, is a step with reasons).
   bool anomalous() const { return decision != Decision::kStep || !reasons.empty(); }

@@ -34,11 +34,17 @@ GUARD_KEYS = ("skip.", "diagnostics.", "lr_scheduler.on_skip", "training.max_nor
 SECTIONS = ("job", "model", "training", "optimizer", "lr_scheduler", "checkpoint", "metrics",
             "data", "validation", "parallelism", "comm", "skip", "diagnostics", "fault")
 # What needs the harness's own step (the batch, a replay, a peer's recomputation).
-HARNESS_ONLY = {
-    ("skip", "scope"): "step",
-    ("skip", "replay"): "off",
-    ("diagnostics", "replay_every"): 0,
-    ("training", "loss_scale"): "none",
+HARNESS_ONLY = {  # the values the guard takes; others need lockstep's own trainer
+    ("skip", "scope"): ("step",),
+    ("skip", "replay"): ("off",),
+    ("diagnostics", "replay_every"): (0,),
+    ("training", "loss_scale"): ("none",),
+    # per-tensor norms are not exchanged here (the guard's row is one per rank)
+    ("skip", "adaptive_clip"): ("off", "zclip"),
+    ("skip", "spike_moment_reset"): (False,),
+    # the guard knows neither a step's tokens in advance nor its compute time
+    ("skip", "max_consecutive_tokens"): (0,),
+    ("skip", "max_consecutive_seconds"): (0,),
 }
 
 
@@ -174,9 +180,10 @@ class SkipGuard:
     def _refuse_harness_only(self):
         for (section, key), fine in HARNESS_ONLY.items():
             value = self.config[section][key]
-            if value != fine:
+            if value not in fine:
+                takes = " or ".join(map(repr, fine))
                 raise ConfigError(f"invalid value for '{section}.{key}': {value!r} needs lockstep's "
-                                  f"own trainer (lockstep train); the guard takes {fine!r}")
+                                  f"own trainer (lockstep train); the guard takes {takes}")
 
     def _decides_on_device(self):
         """skip.device_decision: "auto" decides on the device with a fused Adam/AdamW (found_inf

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <optional>
 
+#include "lockstep/error.h"
+
 namespace lockstep {
 
 const char* decision_name(Decision d) {
@@ -40,6 +42,7 @@ kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t
   c.loss_scale_max_overflows = t.loss_scale_max_overflows;
   c.loss_scale_min = t.loss_scale_min;
   c.max_consecutive = k.max_consecutive;
+  c.max_consecutive_seconds = k.max_consecutive_seconds;
   c.max_fraction = k.max_fraction;
   c.fraction_window = k.fraction_window;
   c.on_global_spike = k.on_global_spike == OnGlobalSpike::kClip   ? kernels::kSpikeClip
@@ -49,6 +52,22 @@ kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t
   c.zclip = {k.adaptive_clip == AdaptiveClip::kZClip ? 1 : 0, k.zclip_alpha, k.zclip_zscore,
              k.zclip_warmup};
   return c;
+}
+
+SkipConfig with_token_guard(SkipConfig k, int64_t tokens_per_step) {
+  if (k.max_consecutive_tokens <= 0) return k;
+  const int64_t steps = k.max_consecutive_tokens / tokens_per_step;
+  if (steps < 1)
+    throw ConfigError(fmt::format(
+        "invalid value for 'skip.max_consecutive_tokens': {} is less than one step's {} tokens "
+        "(it would abort on the first skip); raise it to at least {} or set it to 0",
+        k.max_consecutive_tokens, tokens_per_step, tokens_per_step));
+  if (k.max_consecutive > 0 && k.max_consecutive <= steps) {
+    k.max_consecutive_tokens = 0;  // the steps act: the guard's messages name them
+    return k;
+  }
+  k.max_consecutive = steps;
+  return k;
 }
 
 // ---- HostDecideState --------------------------------------------------------------------------
@@ -84,6 +103,7 @@ HostDecideState HostDecideState::resized(int w) const {
 
 SkipDetector::SkipDetector(const SkipConfig& skip, const TrainingConfig& training, int world)
     : config_(decide_config(skip, training)),
+      consecutive_tokens_(skip.max_consecutive_tokens),
       state_(skip.window, skip.fraction_window, world, loss_scale_setting(training).value) {}
 
 HostDecideState SkipDetector::state_for(int world) const {
@@ -127,6 +147,7 @@ kernels::DecideResult result_of(const Verdict& v) {
   r.grad_norm = v.grad_norm;
   r.loss = v.loss;
   r.loss_scale = v.loss_scale;
+  r.seconds = v.compute_seconds;
   return r;
 }
 
@@ -137,8 +158,18 @@ std::string SkipDetector::guard_message(const kernels::DecideResult& r,
   const kernels::LossScaleState& ls = st.s.scale;
   switch (r.why) {
     case kernels::kMaxConsecutive:
+      if (consecutive_tokens_ > 0)
+        return fmt::format("skip.max_consecutive_tokens = {} ({} steps of the global batch): {} "
+                           "skips in a row",
+                           consecutive_tokens_, config_.max_consecutive,
+                           st.s.consecutive_skips + 1);
       return fmt::format("skip.max_consecutive = {}: {} skips in a row", config_.max_consecutive,
                          st.s.consecutive_skips + 1);
+    case kernels::kMaxSeconds:
+      return fmt::format("skip.max_consecutive_seconds = {}: {} skips in a row cost {:.1f} s of "
+                         "compute",
+                         nlohmann::json(config_.max_consecutive_seconds).dump(),
+                         st.s.consecutive_skips + 1, st.s.consecutive_skip_seconds + r.seconds);
     case kernels::kMaxFraction:
       return fmt::format("skip.max_fraction = {}: {} skips in the last {} steps",
                          nlohmann::json(config_.max_fraction).dump(), r.skips_in_window,
@@ -184,6 +215,7 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   v.overflow = r.overflow != 0;
   v.clip_to = r.clip_to;
   v.clip = r.clip;
+  v.compute_seconds = r.seconds;
   if (v.interrupted) return v;  // nothing to name: the step did not happen
   if (v.overflow) {  // an fp16 overflow: the loss scale, not the data; no rank is blamed
     v.reasons.push_back("loss_scale_overflow");
@@ -227,6 +259,7 @@ void SkipDetector::record(const Verdict& v) {
 
 void SkipDetector::reset_guards() {
   state_.s.consecutive_skips = 0;
+  state_.s.consecutive_skip_seconds = 0;
   state_.s.recent.head = state_.s.recent.size = 0;
   state_.s.recent_skips = 0;
 }
@@ -270,6 +303,7 @@ nlohmann::json SkipDetector::state() const {
           {"rank_grad_norms", rank_gn},
           {"rank_losses", rank_ls},
           {"consecutive_skips", s.consecutive_skips},
+          {"consecutive_skip_seconds", s.consecutive_skip_seconds},
           {"recent", recent},
           {"zclip",
            {{"count", s.zclip.count}, {"mean", s.zclip.mean}, {"m2", s.zclip.m2},
@@ -293,6 +327,7 @@ void SkipDetector::load_state(const nlohmann::json& j) {
       kernels::rank_ring_push(st.s.ranks, r, 1, v.get<double>());
   }
   st.s.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
+  st.s.consecutive_skip_seconds = j.value("consecutive_skip_seconds", 0.0);  // older: none
   for (char c : j.at("recent").get<std::string>()) kernels::recent_push(st.s, c == '1');
   if (j.contains("zclip")) {  // checkpoints before ZClip have none: it warms up again
     const nlohmann::json& z = j.at("zclip");

@@ -26,6 +26,12 @@ const char* reason_name(int bit);
 // (training.max_norm) and the loss-scale rule and guards. The one reader of these settings.
 kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);
 
+// skip.max_consecutive_tokens as steps of `tokens_per_step` tokens (every step holds as many):
+// skip.max_consecutive becomes the tighter of the two (max_consecutive_tokens stays set only
+// when it is the one acting, so the guard's message names it). Throws ConfigError when the
+// tokens are fewer than one step's.
+SkipConfig with_token_guard(SkipConfig skip, int64_t tokens_per_step);
+
 // Each rank's own values against its own windows, from the all-gathered table: which ranks
 // stand out, and why. Every rank computes it from the same table and windows.
 struct LocalFindings {
@@ -121,6 +127,7 @@ class SkipDetector {
   LocalFindings findings(const std::vector<RankStats>& ranks, const HostDecideState& st) const;
 
   kernels::DecideConfig config_;
+  int64_t consecutive_tokens_;  // skip.max_consecutive_tokens, when it set max_consecutive
   HostDecideState state_;
 };
 

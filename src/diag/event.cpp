@@ -90,6 +90,7 @@ void add_cause(json& j, const Event& e) {
   j["replays"] = replays;
   j["hardware_suspects"] = e.hardware_suspects;
   j["dropped_ranks"] = e.dropped_ranks;
+  if (!e.moments_reset.empty()) j["moments_reset"] = e.moments_reset;
   j["global"]["clip_to"] = e.global.clip_to;
 }
 
@@ -99,6 +100,7 @@ void read_cause(const json& j, Event& e) {
   for (const auto& r : j.value("replays", json::array())) e.replays.push_back(replay_from_json(r));
   e.hardware_suspects = j.value("hardware_suspects", std::vector<int>{});
   e.dropped_ranks = j.value("dropped_ranks", std::vector<int>{});
+  e.moments_reset = j.value("moments_reset", std::vector<std::string>{});
   e.global.clip_to = j.at("global").value("clip_to", 0.0);
 }
 

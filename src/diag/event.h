@@ -81,6 +81,7 @@ struct Event {
   std::vector<int64_t> suspect_sample_ids;     // a reproduced batch, no sample standing out
   std::vector<Replay> replays;
   std::vector<int> hardware_suspects, dropped_ranks;
+  std::vector<std::string> moments_reset;  // skip.spike_moment_reset: the tensors it zeroed
   double lr = kNaN;
   RunCounters counters;           // the run's, after this step (run_state.h's field list)
   int64_t consecutive_skips = 0;  // after this step

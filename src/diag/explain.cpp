@@ -155,6 +155,7 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
   e.replays = replays_of(v);
   e.hardware_suspects = v.hardware_suspects;
   e.dropped_ranks = v.dropped_ranks;
+  e.moments_reset = v.moments_reset;
   e.lr = lr;
   e.counters = after;
   e.consecutive_skips = skip ? detector.consecutive_skips() + 1
@@ -233,6 +234,16 @@ std::string guard_hint(const Event& e, const std::string& run_dir) {
                    "--skip.reset_guards_on_resume true (or raise the guard's limit)";
 }
 
+// "; AdamW moments of 2 tensors reset (skip.spike_moment_reset): layers.0.attn.wq, ..." or "".
+std::string reset_text(const Event& e) {
+  if (e.moments_reset.empty()) return "";
+  const size_t shown = std::min<size_t>(e.moments_reset.size(), 3);
+  return fmt::format("; AdamW moments of {} tensor{} reset (skip.spike_moment_reset): {}{}",
+                     e.moments_reset.size(), e.moments_reset.size() > 1 ? "s" : "",
+                     fmt::join(e.moments_reset.begin(), e.moments_reset.begin() + shown, ", "),
+                     e.moments_reset.size() > shown ? ", ..." : "");
+}
+
 }  // namespace
 
 std::string skip_message(const Event& e) {
@@ -245,10 +256,10 @@ std::string skip_message(const Event& e) {
         e.counters.overflow_skips);
   if (e.decision == "clip")
     return fmt::format(
-        "step {}: CLIP ({}) | {} | {} | the step is taken clipped to grad norm {:.4g}; nothing "
-        "quarantined; clipped {} of {}",
+        "step {}: CLIP ({}) | {} | {} | the step is taken clipped to grad norm {:.4g}{}; "
+        "nothing quarantined; clipped {} of {}",
         e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), e.global.clip_to,
-        e.counters.clipped_steps, e.step);
+        reset_text(e), e.counters.clipped_steps, e.step);
   if (e.decision == "salvage")
     return fmt::format(
         "step {}: SALVAGE ({}) | {} | rank{} {} contributed nothing, the other ranks stepped "
@@ -262,9 +273,10 @@ std::string skip_message(const Event& e) {
         "is taken",
         e.step, fmt::join(e.reasons, ", "), scope_text(e), replayed_text(e));
   return fmt::format(
-      "step {}: SKIP ({}) | {} | {} | {} | weights and optimizer state untouched; "
-      "skipped {} of {}",
-      e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), samples_text(e),
+      "step {}: SKIP ({}) | {} | {} | {} | {}; skipped {} of {}", e.step,
+      fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), samples_text(e),
+      e.moments_reset.empty() ? "weights and optimizer state untouched"
+                              : "weights untouched" + reset_text(e),
       e.counters.skipped_steps, e.step);
 }
 

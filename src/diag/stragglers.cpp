@@ -8,6 +8,13 @@
 #include <algorithm>
 
 namespace lockstep {
+
+std::vector<double> compute_times(const std::vector<RankStats>& table) {
+  std::vector<double> out;
+  for (const RankStats& r : table) out.push_back(r.compute_seconds);
+  return out;
+}
+
 namespace {
 
 double median(std::vector<double> x) {

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/decision.h"
+
 namespace lockstep {
 
 // This rank's compute time of a step. CPU: wall time between begin() and end(). GPU: the time
@@ -37,6 +39,9 @@ class ComputeClock {
   double seconds_ = 0;
   std::unique_ptr<Events> events_;  // GPU only
 };
+
+// Every rank's compute seconds: the stats table's column.
+std::vector<double> compute_times(const std::vector<RankStats>& table);
 
 struct Straggler {
   int rank = 0;

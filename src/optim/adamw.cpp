@@ -139,6 +139,24 @@ void AdamW::zero_grad() {
         g.params[i].mutable_grad().zero_();
 }
 
+void AdamW::scale_gradients(const std::unordered_map<std::string, double>& factors) {
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const auto f = factors.find(g.names[i]);
+      if (f == factors.end()) continue;
+      (g.grads[i].defined() ? g.grads[i] : g.params[i].mutable_grad()).mul_(f->second);
+    }
+}
+
+void AdamW::reset_moments(const std::unordered_set<std::string>& names) {
+  for (auto& g : groups_)
+    for (size_t i = 0; i < g.params.size(); ++i)
+      if (names.contains(g.names[i])) {
+        g.exp_avgs[i].zero_();
+        g.exp_avg_sqs[i].zero_();
+      }
+}
+
 void AdamW::set_step_count(double steps) {
   for (auto& g : groups_)
     for (auto& s : g.steps) s.fill_(steps);

@@ -4,6 +4,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "lockstep/config.h"
@@ -66,6 +69,12 @@ class AdamW {
   // The same with found_inf and grad_scale made from `control` on the parameters' device.
   void step(double lr, const UpdateControl& control);
   void zero_grad();
+  // Per tensor, by name (the sharded mode's pieces carry their parameter's name): multiplies
+  // the named tensors' gradients by their factor before the next step (AdaGC's clip; one
+  // pass over those tensors only), or zeroes their moments (SPAM's reset; the step counts
+  // stay, so the bias corrections do too).
+  void scale_gradients(const std::unordered_map<std::string, double>& factors);
+  void reset_moments(const std::unordered_set<std::string>& names);
   // Sets every step count (a resumed sharded run reads one count for all).
   void set_step_count(double steps);
 

@@ -90,6 +90,8 @@ class DataParallel {
 
   // The update at learning rate `lr` under `control` (a skip changes nothing anywhere).
   virtual void apply(double lr, const UpdateControl& control) = 0;
+  // The optimizer over this rank's part (per-tensor policies act on it before apply).
+  virtual AdamW& optimizer() = 0;
   void zero_grad() { flat_grad_.zero_(); }
   // The buffer every .grad is a view of (a replay saves and restores it).
   const at::Tensor& gradient_buffer() const { return flat_grad_; }

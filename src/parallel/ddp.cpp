@@ -40,6 +40,8 @@ class Ddp final : public DataParallel {
     if (!opt_grad_.is_same(reduce_)) opt_grad_.copy_(reduce_);
   }
 
+  AdamW& optimizer() override { return optimizer_; }
+
   void apply(double lr, const UpdateControl& control) override {
     optimizer_.step(lr, control);
     // The P-dtype copies (a skip's masters are unchanged; on the device the host cannot tell).

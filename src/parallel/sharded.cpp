@@ -83,6 +83,8 @@ class Sharded final : public DataParallel {
     if (opt_grad_block_.defined()) opt_grad_block_.copy_(reduce_.narrow(0, rank_ * block_, block_));
   }
 
+  AdamW& optimizer() override { return optimizer_; }
+
   void apply(double lr, const UpdateControl& control) override {
     optimizer_.step(lr, control);
     // A skip changed no block: nothing to gather (on the device the host cannot tell: gather).

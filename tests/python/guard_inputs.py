@@ -33,6 +33,11 @@ def main():
             {"optimizer": {"lr": 0.1}}, run_dir=run_dir)
     refused("invalid value for 'skip.scope': 'rank' needs lockstep's own trainer", opt,
             run_dir=run_dir, skip_enabled=True, skip_scope="rank")
+    refused("invalid value for 'skip.adaptive_clip': 'adagc' needs lockstep's own trainer "
+            "(lockstep train); the guard takes 'off' or 'zclip'", opt, run_dir=run_dir,
+            skip_enabled=True, skip_adaptive_clip="adagc")
+    refused("invalid value for 'skip.max_consecutive_tokens': 4096 needs lockstep's own trainer",
+            opt, run_dir=run_dir, skip_max_consecutive_tokens=4096)
     refused("invalid value for 'skip.max_grad_norm'", opt, {"skip.max_grad_norm": -1},
             run_dir=run_dir)
     refused("unknown config key 'skip.enbled'", opt, run_dir=run_dir, skip_enbled=True)

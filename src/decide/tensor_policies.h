@@ -1,0 +1,73 @@
+// The per-tensor policies of the decision (skip.adaptive_clip = "adagc": AdaGC's clip of each
+// tensor to its own EMA; skip.spike_moment_reset: SPAM's reset of the moments a global spike
+// hit), over the one core's rules (kernels/decision.h, "per tensor"). After the agreed global
+// decision, every rank gathers every rank's per-tensor partial sums of squares (check [B]'s
+// stats buffer: one more small all-gather, [W, tensors] doubles) on the steps that need them, adds
+// them in rank order and reaches the same factors and the same reset tensors. Its thresholds
+// travel in checkpoints with the detector's state; they do not depend on the world size.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "comm/comm.h"
+#include "kernels/decision.h"
+#include "lockstep/config.h"
+#include "lockstep/decision.h"
+#include "optim/adamw.h"
+
+namespace lockstep {
+
+// What a decided step does per tensor (by parameter name), before its update.
+struct TensorActions {
+  std::unordered_map<std::string, double> factors;  // clipped tensors: their gradient x factor
+  std::unordered_set<std::string> reset;            // their AdamW moments zeroed
+  // Before the update: the resets, then the factors (nothing when both are empty).
+  void apply_to(AdamW& optimizer) const;
+};
+
+class TensorPolicies {
+ public:
+  // `names`: the parameters in model order (check [B]'s). With neither policy on it does
+  // nothing at all (no collective, no state).
+  TensorPolicies(const SkipConfig& skip, std::vector<std::string> names, Comm* comm);
+  bool active() const { return rule_.clip != 0 || reset_; }
+
+  // The per-tensor part of the decided step `v` from this rank's check [B] stats buffer
+  // (kernels/gradcheck.h's layout): the factors of a taken step, the tensors a global spike hit;
+  // notes them in `v` (tensors_clipped, moments_reset) and advances the thresholds on a taken
+  // step. Collective on the steps that need the norms: every rank calls it with the same
+  // verdict, so all gather or none do.
+  TensorActions step(const at::Tensor& shard_stats, Verdict& v);
+
+  // The global per-tensor norms (unscaled) from the [W, tensors] table of partial sums.
+  std::vector<double> norms(const at::Tensor& table, double loss_scale) const;
+  // The same decision from given norms (what step() does after the gather; pure but for the
+  // thresholds it advances on a taken step).
+  TensorActions decide(const std::vector<double>& norms, Verdict& v);
+
+  int64_t taken() const { return count_; }
+  const std::vector<double>& thresholds() const { return gamma_; }
+  nlohmann::json state() const;
+  void load_state(const nlohmann::json& state);
+
+ private:
+  bool needs_norms(const Verdict& v) const;
+
+  kernels::TensorRule rule_;
+  bool reset_;
+  std::vector<std::string> names_;
+  Comm* comm_;
+  int64_t count_ = 0;          // taken steps seen (up to the warm-up, then it stays)
+  std::vector<double> gamma_;  // each tensor's threshold
+};
+
+}  // namespace lockstep
