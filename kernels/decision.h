@@ -784,7 +784,8 @@ LOCKSTEP_HD inline void record_step(DecideState& s, const DecideConfig& c,
   const bool skipped = r.outcome == kSkipStep;
   if (skipped) {
     ++s.consecutive_skips;
-    s.consecutive_skip_seconds += r.seconds;
+    // measured time, not reproducible: counted only for the guard that reads it
+    if (c.max_consecutive_seconds > 0) s.consecutive_skip_seconds += r.seconds;
   } else {
     s.consecutive_skips = 0;
     s.consecutive_skip_seconds = 0;

@@ -86,7 +86,7 @@ struct Cli {
   CLI::App app{"lockstep: distributed training that skips bad gradient updates in lockstep",
                "lockstep"};
   CLI::App *train, *show, *check, *keys, *faults, *info, *gradcheck, *comm, *decision, *diag,
-      *report, *version, *shard, *sample, *exporter, *generate;
+      *report, *version, *shard, *sample, *exporter, *importer, *generate;
   std::string train_config, file, ckpt_dir, diag_dir, quarantine, report_dir, report_out;
   int64_t fault_ranks = 1;
   bool json = false, with_suspects = false;
@@ -96,7 +96,7 @@ struct Cli {
   lockstep::ShardOptions shard_options;
   lockstep::GenerateOptions generate_options;
   std::vector<int64_t> sample_ids;
-  std::string export_format = "hf", export_out;
+  std::string export_format = "hf", export_out, import_dir;
   int64_t export_step = -1;
 };
 
@@ -228,6 +228,13 @@ void add_model_tools(Cli& c) {
   c.exporter->add_option("--step", c.export_step, "The checkpoint's step (default: the latest)");
   c.exporter->add_option("--format", c.export_format, "hf (Hugging Face transformers)")
       ->capture_default_str();
+  c.importer = c.app.add_subcommand(
+      "import", "Print a config that fine-tunes from a Hugging Face folder (GPT-2 or Llama: "
+                "config.json, model.safetensors): its [model], checkpoint.initial_load_path = "
+                "the folder: import HF_DIR > finetune.toml");
+  c.importer->add_option("hf_dir", c.import_dir, "The folder save_pretrained wrote")
+      ->required()
+      ->check(CLI::ExistingDirectory);
   auto& g = c.generate_options;
   c.generate = c.app.add_subcommand(
       "generate", "Sample text from a checkpoint of a byte-level model: generate RUN_DIR "
@@ -251,6 +258,8 @@ int model_tool(const Cli& c) {
   } else if (*c.exporter) {
     std::cout << lockstep::export_checkpoint(c.ckpt_dir, c.export_step, c.export_format,
                                              c.export_out) << "\n";
+  } else if (*c.importer) {
+    std::cout << lockstep::import_hf(c.import_dir);
   } else if (*c.generate) {
     std::cout << lockstep::generate_text(c.generate_options) << "\n";
   }
@@ -362,7 +371,7 @@ int run(Cli& c) {
   if (*c.report)
     return lockstep::render_report(c.report_dir,
                                    c.report_out.empty() ? c.report_dir + "/report.png" : c.report_out);
-  if (*c.shard || *c.sample || *c.exporter || *c.generate) return model_tool(c);
+  if (*c.shard || *c.sample || *c.exporter || *c.importer || *c.generate) return model_tool(c);
   if (*c.version) std::cout << lockstep::version_report();
   return 0;
 }

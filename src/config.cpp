@@ -312,6 +312,12 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
                          &K::allow_data_change,
                          "resume although seed, seq_len or the data changed (the data order "
                          "then differs from the run's); false = refuse such a resume"));
+  t.push_back(string_field("checkpoint", "initial_load_path", &C::checkpoint,
+                           &K::initial_load_path,
+                           "a Hugging Face folder (config.json, model.safetensors; GPT-2 or Llama) "
+                           "a fresh run starts from, the optimizer fresh (fine-tuning); its "
+                           "config must match [model]: `lockstep import DIR` prints it; not read "
+                           "when the run resumes its own checkpoint; \"\" = none"));
   t.push_back(float_field("checkpoint", "timeout_seconds", &C::checkpoint, &K::timeout_seconds, 0,
                           true, 604800,
                           "time allowed for each collective of a save or load (rank 0 may "

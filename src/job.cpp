@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "clock.h"
+#include "export/hf.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
 #include "rundir.h"
@@ -92,9 +93,25 @@ void open_data(Job& j) {
 
 // The model, data parallelism over its parameters (with the optimizer), and the checks:
 // [B] reads the 1/W block of the synced gradient this rank owns, [A] this rank's own gradient.
+// checkpoint.initial_load_path: a fresh run starts from a Hugging Face folder's weights (read
+// into the model before the data-parallel mode takes its copies); a resume of the run's own
+// checkpoint does not read it.
+void load_initial_weights(Job& j) {
+  const Config& c = j.config;
+  const std::string& path = c.checkpoint.initial_load_path;
+  if (path.empty()) return;
+  if (c.checkpoint.enable && j.checkpointer->step_to_load(c.checkpoint.load_step) > 0) return;
+  check_same_model(c.model, model_config_from_hf(path), path);
+  const auto start = Clock::now();
+  load_hf_weights(path, c.model, j.model->parameters());
+  log::info("initial weights: {} ({} tensors read in {:.1f} s); the optimizer starts fresh",
+            path, j.model->parameters().size(), seconds_since(start));
+}
+
 void build_model(Job& j) {
   const Config& c = j.config;
   j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device);
+  load_initial_weights(j);
   j.dp = make_data_parallel(
       j.model->parameters(), j.comm.get(),
       {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
@@ -209,6 +226,10 @@ std::unique_ptr<Job> build_job(const Config& config) {
   if (c.training.threads == 0 && !busy.empty()) log::warn_shared("{}", busy);
   if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
+  const std::string& folder = c.checkpoint.folder;
+  j.checkpointer = std::make_unique<Checkpointer>(
+      CheckpointOptions{folder.starts_with("/") ? folder : j.run_dir + "/" + folder,
+                        c.checkpoint.keep_latest_k, c.checkpoint.timeout_seconds});
   build_model(j);
   j.peak_flops = peak_flops(c, j.device);
   j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
@@ -226,10 +247,6 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.stragglers = std::make_unique<StragglerWatch>(
       c.diagnostics.straggler_factor, c.diagnostics.straggler_window, j.ranks.world_size);
   j.config_json = nlohmann::json::parse(to_json(c));
-  const std::string& folder = c.checkpoint.folder;
-  j.checkpointer = std::make_unique<Checkpointer>(
-      CheckpointOptions{folder.starts_with("/") ? folder : j.run_dir + "/" + folder,
-                        c.checkpoint.keep_latest_k, c.checkpoint.timeout_seconds});
   return job;
 }
 

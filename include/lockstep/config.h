@@ -145,6 +145,9 @@ struct CheckpointConfig {
   // unless this is true (then it warns).
   bool allow_data_change = false;
   double timeout_seconds = 1800;  // each collective of a save or load (writing takes long)
+  // torchtitan's name: a Hugging Face folder (config.json, model.safetensors) whose weights a
+  // fresh run starts from, the optimizer fresh; not read when the run resumes its own checkpoint.
+  std::string initial_load_path = "";
 };
 
 struct MetricsConfig {

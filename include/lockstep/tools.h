@@ -41,6 +41,13 @@ std::string format_samples(const nlohmann::json& samples);
 std::string export_checkpoint(const std::string& path, int64_t step, const std::string& format,
                               const std::string& out);
 
+// ---- lockstep import --------------------------------------------------------------------
+// A config (TOML, every key) that fine-tunes from the Hugging Face folder `hf_dir` (GPT-2 or
+// Llama; config.json, model.safetensors): its [model] as the folder's config.json says, and
+// checkpoint.initial_load_path = the folder. InputError naming the file and key for a model
+// lockstep cannot hold.
+std::string import_hf(const std::string& hf_dir);
+
 // ---- lockstep generate ------------------------------------------------------------------
 struct GenerateOptions {
   std::string path;  // a run, checkpoint or step folder

@@ -19,13 +19,6 @@
 namespace lockstep {
 namespace {
 
-// lockstep name -> (transformers name, how the tensor changes).
-enum class Layout { kSame, kTransposed, kRotaryQ, kRotaryK };
-struct Mapped {
-  std::string name;
-  Layout layout = Layout::kSame;
-};
-
 Mapped gpt_name(const std::string& n) {
   static const std::regex block(R"(blocks\.(\d+)\.(.*))");
   std::smatch m;
@@ -75,11 +68,15 @@ at::Tensor rotary_to_halves(const at::Tensor& w, int64_t heads) {
 
 }  // namespace
 
+Mapped hf_name(const ModelConfig& model, const std::string& name) {
+  return model.name == ModelName::kGpt ? gpt_name(name) : llama_name(name);
+}
+
 std::vector<NamedTensor> to_hf(const ModelConfig& model, const std::vector<NamedTensor>& tensors) {
   const ModelSize size = model_size(model);
   std::vector<NamedTensor> out;
   for (const auto& t : tensors) {
-    const Mapped m = model.name == ModelName::kGpt ? gpt_name(t.name) : llama_name(t.name);
+    const Mapped m = hf_name(model, t.name);
     at::Tensor x = t.tensor.detach().to(at::kCPU, at::kFloat);
     if (m.layout == Layout::kTransposed) x = x.t();
     if (m.layout == Layout::kRotaryQ) x = rotary_to_halves(x, size.heads);

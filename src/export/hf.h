@@ -5,12 +5,21 @@
 
 #include <nlohmann/json.hpp>
 
+#include <string>
 #include <vector>
 
 #include "lockstep/config.h"
 #include "tensors.h"
 
 namespace lockstep {
+
+// A lockstep parameter's name in transformers, and how its layout changes there.
+enum class Layout { kSame, kTransposed, kRotaryQ, kRotaryK };
+struct Mapped {
+  std::string name;
+  Layout layout = Layout::kSame;
+};
+Mapped hf_name(const ModelConfig& model, const std::string& name);
 
 // Tensors named as lockstep's model names its parameters (weights or their gradients), renamed
 // and laid out as transformers holds them: gpt's linear weights transposed (GPT-2's Conv1D
@@ -21,5 +30,23 @@ std::vector<NamedTensor> to_hf(const ModelConfig& model, const std::vector<Named
 
 // config.json for `model`.
 nlohmann::json hf_config(const ModelConfig& model);
+
+// ---- the other way (hf_import.cpp): a Hugging Face folder into lockstep's model -------------
+
+// lockstep's model config from a folder's config.json (GPT2LMHeadModel or LlamaForCausalLM).
+// InputError naming the file and the key for anything lockstep's models cannot hold (another
+// architecture, tied Llama embeddings, rope scaling, biases, another activation).
+ModelConfig model_config_from_hf(const std::string& hf_dir);
+
+// A run's [model] against the folder's: InputError naming the first key that differs and the
+// fix (`lockstep import` prints the matching section).
+void check_same_model(const ModelConfig& run, const ModelConfig& hf, const std::string& hf_dir);
+
+// Fills `params` (lockstep's names and layouts, model order) from the folder's safetensors
+// (model.safetensors, or the shards of model.safetensors.index.json), any float dtype read as
+// fp32, the layouts of to_hf undone exactly. InputError naming the tensor for a missing one, a
+// shape that differs, or a tensor the model has no place for.
+void load_hf_weights(const std::string& hf_dir, const ModelConfig& model,
+                     const std::vector<NamedTensor>& params);
 
 }  // namespace lockstep
