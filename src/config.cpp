@@ -328,6 +328,18 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
                           false, 1e6,
                           "peak TFLOP/s of one device in the compute dtype, for MFU; 0 = from "
                           "the table of known GPUs (CPUs: no MFU unless given)"));
+  t.push_back(bool_field("metrics", "enable_tensorboard", &C::metrics,
+                         &MetricsConfig::enable_tensorboard,
+                         "also write the metrics, validation and every skip, clip and abort as "
+                         "TensorBoard event files in job.dump_folder/save_tb_folder (rank 0, "
+                         "torch.utils.tensorboard in $LOCKSTEP_PYTHON)"));
+  t.push_back(string_field("metrics", "save_tb_folder", &C::metrics,
+                           &MetricsConfig::save_tb_folder,
+                           "the TensorBoard folder, relative to job.dump_folder"));
+  t.push_back(bool_field("metrics", "enable_wandb", &C::metrics, &MetricsConfig::enable_wandb,
+                         "also log the same to an offline Weights & Biases run in "
+                         "job.dump_folder/wandb (`wandb sync` uploads it; wandb in "
+                         "$LOCKSTEP_PYTHON)"));
   t.push_back(choice_field("data", "source", &C::data, &D::source,
                            "synthetic = embedded generated corpus; file = data.path"));
   t.push_back(list_field("data", "path", &C::data, &D::path,

@@ -207,6 +207,7 @@ std::unique_ptr<Job> build_job(const Config& config) {
       log::warn("run folder {}: took over the lock of a run that ended without releasing it ({})",
                 j.run_dir, j.lock->previous_holder());
     StartupSignals::log_to(log_file);  // the folder is this run's
+    MetricsSink::check(c.metrics);        // TensorBoard / W&B writers: before anyone waits
   }
   connect_ranks(j);
   if (j.comm) {  // before any collective whose size the config sets

@@ -21,6 +21,7 @@
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "diag/injector.h"
+#include "diag/metrics_sink.h"
 #include "diag/stragglers.h"
 #include "eval/validation.h"
 #include "fingerprint.h"
@@ -64,6 +65,7 @@ struct Job {
   std::unique_ptr<StartupSignals> startup_signals;  // until the first step (runtime.h)
   std::unique_ptr<ComputeClock> compute_clock;  // this rank's compute time (its stats row)
   std::unique_ptr<StragglerWatch> stragglers;   // every rank's, over a window
+  std::unique_ptr<MetricsSink> sink;  // rank 0: TensorBoard / W&B; null when off
   double peak_flops = 0;                     // one device's, for MFU; 0 = unknown
   LRScheduleOptions schedule;
   nlohmann::json config_json;  // the resolved config, as checkpoints store it

@@ -226,8 +226,10 @@ TrainResult train_job(Job& job) {
                      job.tokens_per_step, job.detector->loss_scaling(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,
                      job.ranks.world_size});
+  if (job.lead) job.sink = MetricsSink::start(job.config.metrics, job.run_dir);
   run(job, progress, result);
   finish_run(job, progress, result);
+  if (job.sink) job.sink->finish();  // the event files hold every step before train returns
   return result;
 }
 

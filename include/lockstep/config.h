@@ -155,6 +155,12 @@ struct MetricsConfig {
   // Peak FLOP/s of one device in the compute dtype, for model FLOPs utilisation (MFU); 0 = from
   // the table of known GPUs (none on CPUs: MFU is shown only when this is given).
   double peak_tflops = 0;
+  // torchtitan's names: the metrics and every skip, clip and abort also go to TensorBoard event
+  // files in RUN_DIR/save_tb_folder and to an offline W&B run in RUN_DIR/wandb (rank 0, through
+  // their own Python writers: diag/metrics_sink.h).
+  bool enable_tensorboard = false;
+  std::string save_tb_folder = "tb";
+  bool enable_wandb = false;
 };
 
 // Held-out loss every `freq` steps (torchtitan's names).
