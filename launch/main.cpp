@@ -204,10 +204,15 @@ void add_model_tools(Cli& c) {
   data->require_subcommand(1);
   auto& s = c.shard_options;
   c.shard = data->add_subcommand(
-      "shard", "Write a text file as byte-level llm.c shards: OUT/val_000000.bin, "
-               "OUT/train_000001.bin, ... (no --from: the embedded synthetic corpus)");
+      "shard", "Write text files as llm.c shards, bytes as tokens or a tokenizer's ids: "
+               "OUT/val_000000.bin, OUT/train_000001.bin, ... (no --from: the embedded "
+               "synthetic corpus)");
   c.shard->add_option("out", s.out, "A new or empty folder")->required();
-  c.shard->add_option("--from", s.input, "The text file")->check(CLI::ExistingFile);
+  c.shard->add_option("--from", s.input, "Text files, one document each")
+      ->check(CLI::ExistingFile);
+  c.shard->add_option("--tokenizer", s.tokenizer,
+                      "A Hugging Face tokenizer.json (default: bytes as tokens)")
+      ->check(CLI::ExistingFile);
   c.shard->add_option("--val-fraction", s.val_fraction, "Share of the text (its start) in "
                       "val_000000.bin")->capture_default_str();
   c.shard->add_option("--shard-tokens", s.shard_tokens, "Tokens per train shard")->capture_default_str();
@@ -237,8 +242,8 @@ void add_model_tools(Cli& c) {
       ->check(CLI::ExistingDirectory);
   auto& g = c.generate_options;
   c.generate = c.app.add_subcommand(
-      "generate", "Sample text from a checkpoint of a byte-level model: generate RUN_DIR "
-                  "--prompt TEXT");
+      "generate", "Sample text from a checkpoint (bytes, or the run's tokenizer): generate "
+                  "RUN_DIR --prompt TEXT");
   c.generate->add_option("run_dir", g.path, "A run, checkpoint or step-N folder")->required();
   c.generate->add_option("--step", g.step, "The checkpoint's step (default: the latest)");
   c.generate->add_option("--prompt", g.prompt, "The text to continue")->capture_default_str();
@@ -247,6 +252,8 @@ void add_model_tools(Cli& c) {
   c.generate->add_option("--top-k", g.top_k, "Sample among the k likeliest (0 = all)")
       ->capture_default_str();
   c.generate->add_option("--seed", g.seed, "Sampling seed")->capture_default_str();
+  c.generate->add_option("--tokenizer", g.tokenizer,
+                         "A tokenizer.json (default: the run's, else bytes)");
 }
 
 int model_tool(const Cli& c) {

@@ -79,12 +79,12 @@ if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import torch" 2>/dev/null; then
     | { grep -v "^WARNING: Location" || true; } || die "pip install torch==$TORCH_PIN failed"
 fi
 # setuptools: the PyTorch package's build (venvs of Python 3.12+, Debian 13's, come without it).
-for tool in matplotlib lizard transformers setuptools tensorboard wandb; do
+for tool in matplotlib lizard transformers setuptools tensorboard wandb tokenizers; do
   if ! "$LOCKSTEP_ROOT/.venv/bin/python" -c "import $tool" 2>/dev/null; then
     say "installing $tool into .venv"
     "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check "$tool" 2>&1 \
       | { grep -v "^WARNING: Location" || true; } \
-      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard, the export and import tests transformers, the PyTorch package setuptools, metrics.enable_tensorboard tensorboard, metrics.enable_wandb wandb"
+      || die "pip install $tool failed; lockstep report needs matplotlib, launch/lint.sh lizard, the export and import tests transformers, the PyTorch package setuptools, metrics.enable_tensorboard tensorboard, metrics.enable_wandb wandb, data shard --tokenizer tokenizers"
   fi
 done
 

@@ -359,6 +359,10 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
   t.push_back(string_field("data", "readmit_ids_file", &C::data, &D::readmit_ids_file,
                            "file of sample ids to draw again although the resumed checkpoint's "
                            "exclude list holds them, one per line; \"\" = none"));
+  t.push_back(string_field("data", "tokenizer", &C::data, &D::tokenizer,
+                           "the Hugging Face tokenizer.json of the token files (data show and "
+                           "generate decode with it; its CRC32 enters the job's fingerprint); "
+                           "\"\" = the tokenizer.json beside the first data file, if any"));
 }
 
 void validation_fields(std::vector<Field>& t) {

@@ -9,6 +9,8 @@
 
 #include "checkpoint/safetensors.h"
 #include "comm/comm.h"
+#include "data/tokenizer.h"
+#include "fsutil.h"
 #include "lockstep/build_info.h"
 #include "lockstep/error.h"
 #include "lockstep/model_size.h"
@@ -109,6 +111,12 @@ Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
         fmt::format("{}, {} tokens, {}, first tokens crc32 {}",
                     std::filesystem::path(s.name).filename().string(), s.tokens, s.format,
                     crc_hex(first.data(), first.size() * sizeof(int64_t)));
+  }
+  if (const auto tokenizer = tokenizer_path(c)) {  // a resume with another one is a data change
+    const std::string bytes = fs::read_file(*tokenizer);
+    f.items["data.file.tokenizer"] =
+        fmt::format("{}, crc32 {}", std::filesystem::path(*tokenizer).filename().string(),
+                    crc_hex(bytes.data(), bytes.size()));
   }
   set_excluded_ids(f, excluded);
   f.items["model.parameters"] = std::to_string(model_size(c.model).parameters);

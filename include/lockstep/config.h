@@ -181,6 +181,9 @@ struct DataConfig {
   int64_t synthetic_tokens = 1 << 20;
   std::string exclude_ids_file = "";  // sample ids never drawn (one per line; `lockstep diag`)
   std::string readmit_ids_file = "";  // ids the resumed checkpoint's exclude list lets go
+  // The Hugging Face tokenizer.json of the token files ("" = the tokenizer.json beside the first
+  // data file, if any: where `data shard --tokenizer` puts it); data show and generate decode.
+  std::string tokenizer = "";
 };
 
 struct ParallelismConfig {

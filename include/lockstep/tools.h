@@ -14,16 +14,19 @@ namespace lockstep {
 
 // ---- lockstep data shard ----------------------------------------------------------------
 struct ShardOptions {
-  std::string input;               // a text file; "" = the embedded synthetic corpus
+  std::vector<std::string> input;  // text files (documents); none = the embedded synthetic corpus
+  std::string tokenizer;           // a Hugging Face tokenizer.json; "" = bytes as tokens
   int64_t synthetic_tokens = 1 << 20;  // its size when input is ""
   std::string out;                 // a new or empty folder
   double val_fraction = 0.1;       // the start of the text goes to val_000000.bin
   int64_t shard_tokens = 100'000'000;  // tokens per train shard (llm.c's fineweb size)
 };
-// Writes the text's bytes as byte-level tokens in llm.c's GPT-2 shard format (the 256 x int32
-// header with magic 20240520, version 1 and the token count, then uint16 tokens): OUT/
-// val_000000.bin, OUT/train_000001.bin, ... (llm.c's naming: shard 0 is validation). Each file
-// appears whole (written aside, then renamed). Returns one line per file written.
+// Writes the text as tokens in llm.c's shard format: OUT/val_000000.bin, OUT/train_000001.bin,
+// ... (llm.c's naming: shard 0 is validation), each appearing whole (written aside, renamed).
+// Bytes as tokens by default; with a tokenizer its ids, each file a document preceded by the
+// end-of-text id, and the tokenizer copied to OUT/tokenizer.json (where a run finds it). uint16
+// tokens (llm.c's GPT-2 header: magic 20240520, version 1) when the vocabulary fits, else uint32
+// (its Llama 3 header: 20240801, version 7). Returns one line per file written.
 std::string write_text_shards(const ShardOptions& options);
 
 // ---- lockstep data show -----------------------------------------------------------------
@@ -57,8 +60,9 @@ struct GenerateOptions {
   double temperature = 0.8;  // 0 = greedy
   int64_t top_k = 40;        // 0 = the whole vocabulary
   uint64_t seed = 0;
+  std::string tokenizer;  // "" = the run's (data.tokenizer, or beside its data), else bytes
 };
-// The prompt followed by `tokens` sampled bytes (byte-level models: model.vocab_size <= 256).
+// The prompt followed by `tokens` sampled tokens: bytes, or a tokenizer's ids decoded with it.
 std::string generate_text(const GenerateOptions& options);
 
 }  // namespace lockstep

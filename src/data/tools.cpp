@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 
+#include "data/tokenizer.h"
 #include "fsutil.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
@@ -19,40 +21,52 @@
 namespace lockstep {
 namespace {
 
-// llm.c's GPT-2 shard: 256 x int32 header (magic, version, token count), uint16 tokens.
-std::string llmc_shard(const std::vector<uint8_t>& bytes, size_t lo, size_t hi) {
+// An llm.c shard of tokens [lo, hi): 256 x int32 header (magic, version, token count), then
+// uint16 tokens (GPT-2's header) or, with `wide`, uint32 (Llama 3's), little-endian as llm.c
+// writes them with numpy.
+std::string llmc_shard(const std::vector<int64_t>& tokens, size_t lo, size_t hi, bool wide) {
   std::array<int32_t, 256> header{};
-  header[0] = 20240520;
-  header[1] = 1;
+  header[0] = wide ? 20240801 : 20240520;
+  header[1] = wide ? 7 : 1;
   header[2] = static_cast<int32_t>(hi - lo);
   std::string out(reinterpret_cast<const char*>(header.data()), sizeof header);
-  out.reserve(out.size() + 2 * (hi - lo));
-  for (size_t i = lo; i < hi; ++i) {
-    const uint16_t t = bytes[i];  // little-endian, as llm.c writes it with numpy
-    out.push_back(static_cast<char>(t & 0xff));
-    out.push_back(static_cast<char>(t >> 8));
-  }
+  const int width = wide ? 4 : 2;
+  out.reserve(out.size() + static_cast<size_t>(width) * (hi - lo));
+  for (size_t i = lo; i < hi; ++i)
+    for (int b = 0; b < width; ++b)
+      out.push_back(static_cast<char>((static_cast<uint64_t>(tokens[i]) >> (8 * b)) & 0xff));
   return out;
 }
 
-std::vector<uint8_t> shard_input(const ShardOptions& o) {
+// The tokens to shard: the embedded corpus, the files' bytes, or their tokenizer's ids.
+std::vector<int64_t> shard_input(const ShardOptions& o, std::optional<Tokenizer>& tokenizer) {
+  if (!o.tokenizer.empty()) {
+    if (o.input.empty())
+      throw ConfigError("data shard --tokenizer needs --from FILE...: the embedded corpus is "
+                        "byte-level already");
+    tokenizer.emplace(o.tokenizer);
+    return tokenizer->encode_files(o.input);
+  }
   if (o.input.empty()) {
     auto source = make_synthetic_source(o.synthetic_tokens);
     std::vector<int64_t> ids(static_cast<size_t>(source->size()));
     source->read(0, 0, source->size(), ids.data());
-    return {ids.begin(), ids.end()};
+    return ids;
   }
-  const std::string text = fs::read_file(o.input);
-  return {text.begin(), text.end()};
+  std::vector<int64_t> bytes;
+  for (const std::string& file : o.input)
+    for (unsigned char c : fs::read_file(file)) bytes.push_back(c);
+  return bytes;
 }
 
-// A value for JSON and the terminal: control bytes escaped, the rest as they are.
-std::string printable(const std::vector<int64_t>& tokens) {
+// A value for JSON and the terminal: control bytes escaped, the rest as they are; bytes from
+// 0x7f up too unless `utf8` (a tokenizer's decoded text).
+std::string printable(const std::vector<int64_t>& tokens, bool utf8 = false) {
   std::string s;
   for (int64_t t : tokens) {
     if (t == '\n') s += "\\n";
     else if (t == '\\') s += "\\\\";
-    else if (t < 0x20 || t >= 0x7f) s += fmt::format("\\x{:02x}", t);
+    else if (t < 0x20 || (t >= 0x7f && !utf8)) s += fmt::format("\\x{:02x}", t);
     else s += static_cast<char>(t);
   }
   return s;
@@ -68,16 +82,20 @@ std::string write_text_shards(const ShardOptions& o) {
   if (std::filesystem::exists(o.out) && !std::filesystem::is_empty(o.out))
     throw InputError(fmt::format("data shard: '{}' is not empty; choose a new or empty folder "
                                  "(nothing there is replaced)", o.out));
-  const std::vector<uint8_t> bytes = shard_input(o);
-  const size_t n = bytes.size();
+  std::optional<Tokenizer> tokenizer;
+  const std::vector<int64_t> tokens = shard_input(o, tokenizer);
+  const bool wide = tokenizer && tokenizer->vocab_size() > 65536;
+  const size_t n = tokens.size();
   const size_t n_val = static_cast<size_t>(static_cast<double>(n) * o.val_fraction);
   if (n - n_val < 2 || (o.val_fraction > 0 && n_val < 2))
-    throw InputError(fmt::format("data shard: '{}' holds {} bytes, too few to split", o.input, n));
+    throw InputError(fmt::format("data shard: {} holds {} tokens, too few to split",
+                                 o.input.empty() ? "the corpus" : fmt::format("{}", fmt::join(o.input, ", ")),
+                                 n));
   fs::make_dirs(o.out);
   std::string report;
   auto write = [&](const std::string& name, size_t lo, size_t hi) {
     const std::string path = o.out + "/" + name;
-    fs::write_file_atomic(path, llmc_shard(bytes, lo, hi));
+    fs::write_file_atomic(path, llmc_shard(tokens, lo, hi, wide));
     report += fmt::format("{}: {} tokens\n", path, hi - lo);
   };
   if (n_val > 0) write("val_000000.bin", 0, n_val);
@@ -85,6 +103,15 @@ std::string write_text_shards(const ShardOptions& o) {
   for (size_t lo = n_val; lo < n; lo += static_cast<size_t>(o.shard_tokens))
     write(fmt::format("train_{:06d}.bin", index++), lo,
           std::min(n, lo + static_cast<size_t>(o.shard_tokens)));
+  if (tokenizer) {
+    fs::write_file_atomic(o.out + "/tokenizer.json", fs::read_file(o.tokenizer));
+    report += fmt::format("{}/tokenizer.json: vocabulary {}, {} tokens ({}); train with "
+                          "--model.vocab_size {}\n",
+                          o.out, tokenizer->vocab_size(), wide ? "uint32" : "uint16",
+                          tokenizer->end_of_text() ? "each file after the end-of-text id"
+                                                   : "no end-of-text id in the vocabulary",
+                          tokenizer->vocab_size());
+  }
   return report;
 }
 
@@ -96,6 +123,9 @@ nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_
   const Config c = load_config_file(config_path);
   const auto source = open_training_data(c);
   const Sampler sampler(*source, {c.training.seq_len, 1, 0, 1, 0});
+  const std::optional<std::string> tok = tokenizer_path(c);
+  std::optional<Tokenizer> tokenizer;
+  if (tok && !source->byte_level()) tokenizer.emplace(*tok);
   nlohmann::json out = nlohmann::json::array();
   for (int64_t id : ids) {
     const SampleLocation at = sampler.locate(id);
@@ -109,6 +139,11 @@ nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_
                         {"byte_offset", shard.header_bytes + at.start * shard.width},
                         {"tokens", tokens}};
     if (source->byte_level()) j["text"] = printable(tokens);
+    if (tokenizer) {
+      std::vector<int64_t> bytes;
+      for (unsigned char ch : tokenizer->decode(tokens)) bytes.push_back(ch);
+      j["text"] = printable(bytes, true);
+    }
     out.push_back(j);
   }
   return out;

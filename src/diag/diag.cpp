@@ -1,8 +1,6 @@
 #include "lockstep/diag.h"
 
 #include <fmt/format.h>
-#include <spawn.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,10 +13,9 @@
 #include "diag/event.h"
 #include "diag/fault.h"
 #include "fsutil.h"
-#include "lockstep/build_info.h"
+#include "pyscript.h"
 #include "lockstep/error.h"
 
-extern char** environ;
 
 namespace lockstep {
 
@@ -392,23 +389,7 @@ std::string fault_schedule(const Config& config, int64_t world_size) {
 }
 
 int render_report(const std::string& run_dir, const std::string& out_png) {
-  const char* env = std::getenv("LOCKSTEP_PYTHON");
-  const std::string python = env && *env ? env : LOCKSTEP_PYTHON;
-  const std::string script(embedded_report_script());
-  std::vector<std::string> args = {python, "-c", script, run_dir, out_png};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = ::posix_spawnp(&pid, python.c_str(), nullptr, nullptr, argv.data(), environ);
-  if (rc != 0)
-    throw ConfigError(fmt::format("lockstep report: cannot run '{}' ({}); set LOCKSTEP_PYTHON to a "
-                                  "Python with matplotlib",
-                                  python, std::strerror(rc)));
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return wait_script(spawn_script(embedded_report_script(), {run_dir, out_png}));
 }
 
 }  // namespace lockstep

@@ -1,7 +1,6 @@
 #include "diag/metrics_sink.h"
 
 #include <fmt/format.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,11 +11,9 @@
 #include <thread>
 #include <vector>
 
-#include "lockstep/build_info.h"
 #include "lockstep/error.h"
 #include "log.h"
-
-extern char** environ;
+#include "pyscript.h"
 
 namespace lockstep {
 
@@ -24,44 +21,11 @@ std::string_view embedded_metrics_sink_script();  // generated from launch/metri
 
 namespace {
 
-std::string python() {
-  const char* env = std::getenv("LOCKSTEP_PYTHON");
-  return env && *env ? env : LOCKSTEP_PYTHON;
-}
-
 std::vector<std::string> writer_args(const MetricsConfig& m) {
   std::vector<std::string> out;
   if (m.enable_tensorboard) out.insert(out.end(), {"--tensorboard", m.save_tb_folder});
   if (m.enable_wandb) out.push_back("--wandb");
   return out;
-}
-
-// Starts the embedded script with `args`; its stdin is `stdin_fd` (-1: this process's).
-pid_t spawn(const std::vector<std::string>& args, int stdin_fd, int close_fd) {
-  std::vector<std::string> all = {python(), "-c", std::string(embedded_metrics_sink_script())};
-  all.insert(all.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : all) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  if (stdin_fd >= 0) posix_spawn_file_actions_adddup2(&actions, stdin_fd, 0);
-  if (close_fd >= 0) posix_spawn_file_actions_addclose(&actions, close_fd);
-  pid_t pid = 0;
-  const int rc = ::posix_spawnp(&pid, all[0].c_str(), &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0)
-    throw ConfigError(fmt::format("invalid value for 'metrics.enable_tensorboard': cannot run "
-                                  "'{}' ({}); set LOCKSTEP_PYTHON to a Python with tensorboard",
-                                  all[0], std::strerror(rc)));
-  return pid;
-}
-
-int wait_for(pid_t pid) {
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 int64_t size_of(const std::string& path) {
@@ -76,13 +40,13 @@ void MetricsSink::check(const MetricsConfig& m) {
   if (!m.enable_tensorboard && !m.enable_wandb) return;
   std::vector<std::string> args = {"--check"};
   for (const auto& a : writer_args(m)) args.push_back(a);
-  const int rc = wait_for(spawn(args, -1, -1));
+  const int rc = wait_script(spawn_script(embedded_metrics_sink_script(), args));
   if (rc == 0) return;
   const char* package = rc == 3 ? "tensorboard" : "wandb";
   throw ConfigError(fmt::format(
       "invalid value for 'metrics.{}': {} cannot import {}; install it there ({} -m pip install "
       "{}; launch/setup.sh does) or set LOCKSTEP_PYTHON to a Python that has it",
-      rc == 3 ? "enable_tensorboard" : "enable_wandb", python(), package, python(), package));
+      rc == 3 ? "enable_tensorboard" : "enable_wandb", python_path(), package, python_path(), package));
 }
 
 std::unique_ptr<MetricsSink> MetricsSink::start(const MetricsConfig& m,
@@ -95,12 +59,12 @@ std::unique_ptr<MetricsSink> MetricsSink::start(const MetricsConfig& m,
       run_dir, std::to_string(size_of(run_dir + "/metrics.jsonl")),
       std::to_string(size_of(run_dir + "/diagnostics/rank0.jsonl"))};
   for (const auto& a : writer_args(m)) args.push_back(a);
-  const pid_t pid = spawn(args, fds[0], fds[1]);
+  const pid_t pid = spawn_script(embedded_metrics_sink_script(), args, fds[0], -1, {fds[1]});
   ::close(fds[0]);
   log::info("metrics: {}{}{} (through {})",
             m.enable_tensorboard ? "TensorBoard in " + run_dir + "/" + m.save_tb_folder : "",
             m.enable_tensorboard && m.enable_wandb ? ", " : "",
-            m.enable_wandb ? "an offline W&B run in " + run_dir + "/wandb" : "", python());
+            m.enable_wandb ? "an offline W&B run in " + run_dir + "/wandb" : "", python_path());
   return std::unique_ptr<MetricsSink>(new MetricsSink(pid, fds[1]));
 }
 

@@ -1,6 +1,6 @@
-// `lockstep generate`: text sampled from a checkpoint of a byte-level model. No key/value cache:
-// every new token runs the model over the last max_seq_len tokens (a tool to look at what a
-// model learned, not a server).
+// `lockstep generate`: text sampled from a checkpoint (bytes, or a tokenizer's ids decoded). No
+// key/value cache: every new token runs the model over the last max_seq_len tokens (a tool to
+// look at what a model learned, not a server).
 #include <ATen/core/Generator.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/from_blob.h>
@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "checkpoint/model_loader.h"
+#include "data/tokenizer.h"
 #include "lockstep/error.h"
 #include "lockstep/tools.h"
 
@@ -47,22 +48,30 @@ std::string generate_text(const GenerateOptions& o) {
                                   o.temperature));
   if (o.top_k < 0) throw ConfigError("generate --top-k must be >= 0 (0 = no cut)");
   const CheckpointedModel ckpt = load_checkpointed_model(o.path, o.step);
-  if (ckpt.config.model.vocab_size > 256)
+  const std::optional<std::string> path =
+      o.tokenizer.empty() ? tokenizer_path(ckpt.config) : o.tokenizer;
+  std::optional<Tokenizer> tokenizer;
+  if (path) tokenizer.emplace(*path);
+  if (!tokenizer && ckpt.config.model.vocab_size > 256)
     throw InputError(fmt::format(
-        "generate reads and writes text as bytes, and {} holds a model with model.vocab_size = "
-        "{} (a tokenizer's ids); export it (lockstep export) and sample with its tokenizer",
+        "generate: {} holds a model with model.vocab_size = {} (a tokenizer's ids) and its run "
+        "names no tokenizer; pass --tokenizer tokenizer.json",
         ckpt.dir, ckpt.config.model.vocab_size));
   std::vector<int64_t> context;
-  for (unsigned char c : o.prompt) context.push_back(c);
-  if (context.empty()) context.push_back('\n');  // something to start from
+  if (tokenizer) context = tokenizer->encode(o.prompt);
+  else
+    for (unsigned char c : o.prompt) context.push_back(c);
+  if (context.empty())  // something to start from
+    context.push_back(tokenizer && tokenizer->end_of_text() ? *tokenizer->end_of_text() : '\n');
+  const size_t prompt_tokens = context.size();
   c10::AutoGradMode no_grad(false);
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  for (int64_t i = 0; i < o.tokens; ++i) context.push_back(next_token(*ckpt.model, context, o, gen));
+  const std::vector<int64_t> sampled(context.begin() + static_cast<int64_t>(prompt_tokens),
+                                     context.end());
+  if (tokenizer) return o.prompt + tokenizer->decode(sampled);
   std::string text = o.prompt;
-  for (int64_t i = 0; i < o.tokens; ++i) {
-    const int64_t t = next_token(*ckpt.model, context, o, gen);
-    context.push_back(t);
-    text += static_cast<char>(t);
-  }
+  for (int64_t t : sampled) text += static_cast<char>(t);
   return text;
 }
 

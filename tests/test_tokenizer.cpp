@@ -1,0 +1,116 @@
+// `data shard --tokenizer` with a Hugging Face tokenizer.json (the maintained `tokenizers`
+// library, through lockstep's embedded launch/tokenizer.py): a BPE the test trains itself
+// (tests/tok_train.py, offline) shards two texts as llm.c uint16 shards that decode back to the
+// texts, each after the end-of-text id; a run on them shows its samples and generates text with
+// the tokenizer it finds beside its data; a resume with another tokenizer there is refused like
+// any other data change; a file that is not a tokenizer is refused naming it.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "data/tokenizer.h"
+#include "run_util.h"
+
+using namespace lockstep;
+using lockstep::test::TempDir;
+
+namespace {
+
+// Two small texts (the start of Genesis and of John, as written here) and a BPE of `vocab`
+// trained on them.
+void make_corpus(const std::string& dir, int vocab, const std::string& name = "tok.json") {
+  std::ofstream(dir + "/a.txt") << "In the beginning God created the heaven and the earth.\n"
+                                   "And the earth was without form, and void.\n";
+  std::ofstream(dir + "/b.txt") << "In the beginning was the Word, and the Word was with God.\n"
+                                   "The same was in the beginning with God.\n";
+  const auto r = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
+                               "/tests/tok_train.py " + dir + "/" + name + " " +
+                               std::to_string(vocab) + " " + dir + "/a.txt " + dir + "/b.txt");
+  ASSERT_EQ(r.code, 0) << r.out;
+}
+
+std::vector<int64_t> shard_tokens(const std::string& path, int32_t* magic, int32_t* version) {
+  const std::string bytes = test::read_text(path);
+  int32_t header[3];
+  std::memcpy(header, bytes.data(), sizeof header);
+  *magic = header[0];
+  *version = header[1];
+  std::vector<int64_t> out;
+  for (int32_t i = 0; i < header[2]; ++i) {
+    uint16_t t;
+    std::memcpy(&t, bytes.data() + 1024 + 2 * i, 2);
+    out.push_back(t);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Tokenizer, ShardsDecodeBackToTheTextsEachAfterTheEndOfTextId) {
+  TempDir dir;
+  make_corpus(dir.path(), 300);
+  const auto r = test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
+                                    " --from " + (dir / "b.txt") + " --tokenizer " +
+                                    (dir / "tok.json") + " --val-fraction 0");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("tokenizer.json: vocabulary 300, uint16 tokens (each file after the "
+                       "end-of-text id); train with --model.vocab_size 300"),
+            std::string::npos)
+      << r.out;
+  int32_t magic = 0, version = 0;
+  const auto tokens = shard_tokens(dir / "out/train_000001.bin", &magic, &version);
+  EXPECT_EQ(magic, 20240520);
+  EXPECT_EQ(version, 1);
+  const Tokenizer tok(dir / "out/tokenizer.json");
+  ASSERT_TRUE(tok.end_of_text());
+  EXPECT_EQ(tokens.front(), *tok.end_of_text());
+  EXPECT_EQ(tok.decode(tokens), "<|endoftext|>" + test::read_text(dir / "a.txt") +
+                                    "<|endoftext|>" + test::read_text(dir / "b.txt"));
+  EXPECT_LT(tokens.size(), (test::read_text(dir / "a.txt") + test::read_text(dir / "b.txt")).size())
+      << "BPE merges bytes";
+}
+
+TEST(Tokenizer, ARunShowsAndGeneratesWithItAndAResumeRefusesAnother) {
+  TempDir dir;
+  make_corpus(dir.path(), 300);
+  ASSERT_EQ(test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
+                               " --from " + (dir / "b.txt") + " --tokenizer " +
+                               (dir / "tok.json") + " --val-fraction 0")
+                .code,
+            0);
+  const std::string train = "train --job.dump_folder " + (dir / "run") +
+                            " --data.source file --data.path '" + (dir / "out") +
+                            "/train_*.bin' --model.vocab_size 300 --model.dim 32 "
+                            "--model.n_heads 2 --model.n_layers 1 --model.max_seq_len 16 "
+                            "--training.seq_len 8 --training.local_batch_size 2 "
+                            "--training.threads 1 --checkpoint.interval 4 --training.steps ";
+  auto r = test::run_lockstep(train + "4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = test::run_lockstep("data show " + (dir / "run") + " 0");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("text:   \"<|endoftext|>In the beginning God"), std::string::npos) << r.out;
+  r = test::run_lockstep("generate " + (dir / "run") + " --prompt 'In the beginning' --tokens 6");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out.rfind("In the beginning", 0), 0u) << r.out;
+  // Another tokenizer beside the data: the tokens mean other text, so the resume is refused.
+  make_corpus(dir.path(), 280, "other.json");
+  std::filesystem::copy_file(dir / "other.json", dir / "out/tokenizer.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  r = test::run_lockstep(train + "6");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("data.file.tokenizer"), std::string::npos) << r.out;
+}
+
+TEST(Tokenizer, AFileThatIsNotATokenizerIsRefusedNamingIt) {
+  TempDir dir;
+  make_corpus(dir.path(), 300);
+  const auto r = test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
+                                    " --tokenizer " + (dir / "a.txt"));
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("tokenizer '" + (dir / "a.txt") + "': not a Hugging Face tokenizer.json"),
+            std::string::npos)
+      << r.out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "out/train_000001.bin"));
+}
