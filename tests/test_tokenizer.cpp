@@ -114,3 +114,41 @@ TEST(Tokenizer, AFileThatIsNotATokenizerIsRefusedNamingIt) {
       << r.out;
   EXPECT_FALSE(std::filesystem::exists(dir / "out/train_000001.bin"));
 }
+
+// A vocabulary larger than uint16 holds: uint32 tokens under llm.c's Llama 3 header, which the
+// reader takes as such and which decode back to the words.
+TEST(Tokenizer, AVocabularyBeyondUint16WritesLlama3Shards) {
+  TempDir dir;
+  make_corpus(dir.path(), 300);
+  const auto made = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
+                                  "/tests/tok_train.py " + (dir / "wide.json") + " --wide 70000 " +
+                                  (dir / "a.txt"));
+  ASSERT_EQ(made.code, 0) << made.out;
+  const auto r = test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
+                                    " --tokenizer " + (dir / "wide.json") + " --val-fraction 0");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("vocabulary 70000, uint32 tokens"), std::string::npos) << r.out;
+  const std::string bytes = test::read_text(dir / "out/train_000001.bin");
+  int32_t header[3];
+  std::memcpy(header, bytes.data(), sizeof header);
+  EXPECT_EQ(header[0], 20240801);
+  EXPECT_EQ(header[1], 7);
+  ASSERT_EQ(bytes.size(), 1024 + 4 * static_cast<size_t>(header[2]));
+  std::vector<int64_t> tokens;
+  for (int32_t i = 0; i < header[2]; ++i) {
+    uint32_t t;
+    std::memcpy(&t, bytes.data() + 1024 + 4 * i, 4);
+    tokens.push_back(t);
+  }
+  EXPECT_EQ(Tokenizer(dir / "wide.json").decode(tokens),
+            "<|endoftext|> In the beginning God created the heaven and the earth. And the earth "
+            "was without form, and void.");
+  // The trainer reads them as the tokens they are.
+  const auto show = test::run_lockstep(
+      "train --job.dump_folder " + (dir / "run") + " --data.source file --data.path " +
+      (dir / "out/train_000001.bin") + " --model.vocab_size 70000 --model.dim 16 "
+      "--model.n_heads 2 --model.n_layers 1 --model.max_seq_len 8 --training.seq_len 4 "
+      "--training.local_batch_size 1 --training.steps 1 --training.threads 1");
+  EXPECT_EQ(show.code, 0) << show.out;
+  EXPECT_NE(show.out.find("llm.c llama-3 (uint32)"), std::string::npos) << show.out;
+}
