@@ -5,6 +5,8 @@
 // lines shown under it, run in the repository root.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <sstream>
 
 #include "test_util.h"
@@ -43,4 +45,72 @@ TEST(Readme, OutputExcerptsComeFromARealRun) {
   ASSERT_EQ(run.code, 0) << run.out;
   for (const auto& line : demo_lines)
     EXPECT_TRUE(test::printed(run.out, line)) << "README line not printed by the demo:\n" << line;
+}
+
+namespace {
+
+// The README's "Day one" commands before "Several ranks": every `build/bin/lockstep ...` line
+// of its sh blocks, continuations joined, trailing comments dropped.
+std::vector<std::string> day_one_commands() {
+  std::istringstream readme(test::read_text(LOCKSTEP_SOURCE_DIR "/README.md"));
+  std::vector<std::string> out;
+  bool in_section = false, in_sh = false;
+  std::string pending;
+  for (std::string line; std::getline(readme, line);) {
+    if (line.rfind("## ", 0) == 0) in_section = line == "## Day one";
+    if (line.rfind("**Several ranks.**", 0) == 0) in_section = false;
+    if (!in_section) continue;
+    if (line.rfind("```", 0) == 0) {
+      in_sh = !in_sh && line == "```sh";
+      continue;
+    }
+    if (!in_sh) continue;
+    const size_t hash = line.find("  # ");
+    if (hash != std::string::npos) line = line.substr(0, hash);
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    const bool continued = !line.empty() && line.back() == '\\';
+    pending += continued ? line.substr(0, line.size() - 1) : line;
+    if (continued) continue;
+    if (pending.rfind("build/bin/lockstep ", 0) == 0) out.push_back(pending);
+    pending.clear();
+  }
+  return out;
+}
+
+void replace_all(std::string& s, const std::string& what, const std::string& with) {
+  for (size_t at = s.find(what); at != std::string::npos; at = s.find(what, at + with.size()))
+    s.replace(at, what.size(), with);
+}
+
+}  // namespace
+
+// The day-one path runs as written: shard your text, train the llama3 debug model on it with
+// validation, generate, export; import a Hugging Face GPT-2 and fine-tune from it. In a fresh
+// folder, with a text for my.txt, a small transformers GPT-2 for path/to/hf_gpt2 (and byte
+// shards of the text for its data), and short runs (steps, threads, tokens appended).
+TEST(Readme, DayOneCommandsRun) {
+  const std::vector<std::string> commands = day_one_commands();
+  ASSERT_GE(commands.size(), 6u) << "the Day one blocks were not found";
+  test::TempDir dir;
+  const std::string cwd = dir.path();
+  std::ofstream(cwd + "/my.txt") << test::read_text(LOCKSTEP_SOURCE_DIR "/README.md");
+  const auto made = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
+                                  "/tests/hf_make.py " + cwd + "/hf gpt2");
+  ASSERT_EQ(made.code, 0) << made.out;
+  std::filesystem::create_directories(cwd + "/path/to");
+  std::filesystem::rename(cwd + "/hf/model", cwd + "/path/to/hf_gpt2");
+  ASSERT_EQ(test::capture(std::string(LOCKSTEP_BIN) + " data shard " + cwd + "/data/gpt2 --from " +
+                          cwd + "/my.txt").code,
+            0);
+  for (std::string cmd : commands) {
+    replace_all(cmd, "build/bin/lockstep", LOCKSTEP_BIN);
+    replace_all(cmd, "configs/", LOCKSTEP_SOURCE_DIR "/configs/");
+    if (cmd.find(" train ") != std::string::npos)
+      cmd += " --training.steps 3 --training.threads 1 --validation.steps 1";
+    if (cmd.find(" generate ") != std::string::npos) cmd += " --tokens 8";
+    const auto r = test::capture("cd " + cwd + " && " + cmd);
+    EXPECT_EQ(r.code, 0) << cmd << "\n" << r.out;
+  }
+  EXPECT_TRUE(std::filesystem::exists(cwd + "/outputs/mytext/hf/model.safetensors"));
+  EXPECT_NE(test::read_text(cwd + "/finetune.toml").find("initial_load_path"), std::string::npos);
 }
