@@ -91,8 +91,6 @@ void open_data(Job& j) {
     log::info("data: {} sample ids excluded by {}", j.excluded.size(), exclusion_origin(d, false));
 }
 
-// The model, data parallelism over its parameters (with the optimizer), and the checks:
-// [B] reads the 1/W block of the synced gradient this rank owns, [A] this rank's own gradient.
 // checkpoint.initial_load_path: a fresh run starts from a Hugging Face folder's weights (read
 // into the model before the data-parallel mode takes its copies); a resume of the run's own
 // checkpoint does not read it.
@@ -108,6 +106,8 @@ void load_initial_weights(Job& j) {
             path, j.model->parameters().size(), seconds_since(start));
 }
 
+// The model, data parallelism over its parameters (with the optimizer), and the checks:
+// [B] reads the 1/W block of the synced gradient this rank owns, [A] this rank's own gradient.
 void build_model(Job& j) {
   const Config& c = j.config;
   j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device);

@@ -95,9 +95,8 @@ void TensorPolicies::load_state(const nlohmann::json& j) {
   const nlohmann::json& t = j.at("thresholds");
   for (size_t i = 0; i < names_.size(); ++i) {
     if (!t.contains(names_[i]))
-      throw InputError("the checkpoint's per-tensor thresholds (skip.adaptive_clip) have "
-                            "no entry for " + names_[i] + "; resume with the model it was "
-                            "saved with");
+      throw InputError("the checkpoint's per-tensor thresholds (skip.adaptive_clip) have no "
+                       "entry for " + names_[i] + "; resume with the model it was saved with");
     gamma_[i] = t.at(names_[i]).get<double>();
   }
   count_ = j.at("taken").get<int64_t>();

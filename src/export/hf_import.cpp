@@ -48,7 +48,9 @@ T key_of(const nlohmann::json& c, const std::string& key, const std::string& pat
     return c.at(key).get<T>();
   } catch (const nlohmann::json::exception&) {
     throw InputError(fmt::format("{}: '{}' = {} is not a {}", path, key, c.at(key).dump(),
-                                 std::is_same_v<T, std::string> ? "string" : "number"));
+                                 std::is_same_v<T, std::string> ? "string"
+                                 : std::is_same_v<T, bool>      ? "boolean"
+                                                                : "number"));
   }
 }
 
@@ -255,8 +257,15 @@ std::string import_hf(const std::string& hf_dir) {
   c.model = model_config_from_hf(hf_dir);
   c.checkpoint.initial_load_path = std::filesystem::absolute(hf_dir).lexically_normal().string();
   c.job.description = "fine-tune of " + c.checkpoint.initial_load_path;
-  c.training.seq_len = std::min(c.training.seq_len, c.model.max_seq_len);  // a valid config
-  return to_toml(c);
+  c.training.seq_len = std::min(c.training.seq_len, c.model.max_seq_len);
+  const std::string toml = to_toml(c);
+  try {
+    load_config(toml, hf_dir + "/config.json");  // what it prints, lockstep's checks accept
+  } catch (const ConfigError& e) {
+    throw InputError(fmt::format("{}/config.json describes a model lockstep cannot build: {}",
+                                 hf_dir, e.what()));
+  }
+  return toml;
 }
 
 }  // namespace lockstep
