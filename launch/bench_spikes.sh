@@ -2,8 +2,11 @@
 # The spike benchmark (issue 28): does a policy end a run better? A small Llama on real text (the
 # King James Bible from Debian's bible-kjv package, byte-level shards by `lockstep data shard`),
 # trained clean, with injected bad data (random NaN-loss samples and x1000 loss spikes, 1 % of
-# steps) and spiky (x20 loss spikes, the gradient with them, on 5 % of steps: nothing
-# nonfinite, so the policies that cannot skip finish too), under each policy, several seeds each. Printed per policy and condition: runs that
+# steps), spiky (x20 loss spikes, the gradient with them, on 5 % of steps: nothing nonfinite, so
+# the policies that cannot skip finish too) and unstable (no fault: a recipe whose gradient norm
+# spikes on its own — bf16 compute, no warm-up, constant lr, beta2 0.999, no weight decay), under
+# each policy, several seeds each. LOCKSTEP_BENCH_CONDITIONS="clean bad" runs some of them (the
+# table summarises every condition whose runs are in the work folder). Printed per policy and condition: runs that
 # ended without finishing (a guard or the stock abort on a nonfinite value), loss spikes (rule
 # below), steps skipped and clipped, the final validation loss (mean and spread over the runs
 # that finished) and tokens/s, with the machine and sizes.
@@ -11,7 +14,8 @@
 #   launch/bench_spikes.sh [--smoke]     # --smoke: 1 seed, 60 steps, faults on 5 % (ctest runs it)
 #
 # Loss spike: a taken step whose training loss exceeds 1.3 x the median of the 20 steps before
-# it, steps with an injected fault left out. Policies (all with AdamW, lr 3e-2, cosine decay):
+# it; grad-norm spike: one whose gradient norm exceeds 10 x theirs; steps with an injected fault
+# left out. Policies (all with AdamW, lr 3e-2, cosine decay):
 #   none       no clip, no skip (a nonfinite value aborts, as PyTorch's loop would crash)
 #   max_norm   training.max_norm = 1.0, no skip (torchtitan's defence; it aborts on nonfinite)
 #   olmo_skip  skip on a 6-sigma z-score over 128 steps, global spikes skipped too (OLMo-core's
@@ -67,13 +71,16 @@ order=(none max_norm olmo_skip olmo_skip+reset lockstep lockstep+reset zclip ada
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 echo "job: Llama dim 64 x 2 layers (byte vocabulary), 16 x 64 tokens a step, $steps steps, 1 rank x 1 thread, $seeds seed(s); corpus $(wc -c <"$work/kjv.txt") bytes of the King James Bible"
-conditions=(clean bad spiky)
+read -r -a conditions <<<"${LOCKSTEP_BENCH_CONDITIONS:-clean bad spiky unstable}"
+unstable=(--training.mixed_precision_param bfloat16 --lr_scheduler.warmup_steps 0
+          --lr_scheduler.decay_type constant --optimizer.beta2 0.999 --optimizer.weight_decay 0)
 for cond in "${conditions[@]}"; do
   for name in "${order[@]}"; do
     for ((seed = 1; seed <= seeds; ++seed)); do
       run="$work/runs/$cond-$name-$seed"
       rm -rf "$run"
       faults=()
+      [[ $cond == unstable ]] && faults=("${unstable[@]}")
       [[ $cond == bad ]] && faults=(--fault.random_p "$fault_p" --fault.random_seed "$seed"
                                     --fault.random_kinds "nan_loss, spike")
       [[ $cond == spiky ]] && faults=(--fault.random_p 0.05 --fault.random_seed "$seed"
@@ -99,21 +106,24 @@ def records(run):
     path = f"{run}/metrics.jsonl"
     return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
 
-def spikes(steps, faulty):
+def spikes(steps, faulty, key, factor):
     n = 0
     for i in range(20, len(steps)):
         s = steps[i]
         if s["step"] in faulty or s["decision"] not in ("step", "clip"):
             continue
-        if s["loss"] > 1.3 * statistics.median(r["loss"] for r in steps[i - 20:i]):
+        before = [r[key] for r in steps[i - 20:i] if isinstance(r[key], float)]
+        if before and s[key] > factor * statistics.median(before):
             n += 1
     return n
 
-print("| condition | policy | runs finished | loss spikes (mean) | skipped | clipped | tensor clips | moment resets | final val loss | tok/s |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-for cond in ("clean", "bad", "spiky"):
+print("| condition | policy | runs finished | loss spikes | grad-norm spikes | skipped | clipped | tensor clips | moment resets | final val loss | tok/s |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for cond in ("clean", "bad", "spiky", "unstable"):
+    if not os.path.exists(f"{work}/runs/{cond}-{order[0]}-1.exit"):
+        continue
     for name in order:
-        done, spk, skip, clip, tclip, reset, val, tps = 0, [], [], [], [], [], [], []
+        done, spk, gspk, skip, clip, tclip, reset, val, tps = 0, [], [], [], [], [], [], [], []
         for seed in range(1, seeds + 1):
             run = f"{work}/runs/{cond}-{name}-{seed}"
             faulty = {json.loads(l)["step"] for l in open(f"{work}/faults-{cond}-{seed}.jsonl")}
@@ -123,7 +133,8 @@ for cond in ("clean", "bad", "spiky"):
             if open(f"{run}.exit").read().strip() == "0" and vals:
                 done += 1
                 val.append(vals[-1])
-            spk.append(spikes(steps, faulty))
+            spk.append(spikes(steps, faulty, "loss", 1.3))
+            gspk.append(spikes(steps, faulty, "grad_norm", 10.0))
             if steps:
                 skip.append(steps[-1]["skipped_steps"])
                 clip.append(steps[-1].get("clipped_steps", 0))
@@ -132,7 +143,8 @@ for cond in ("clean", "bad", "spiky"):
                 tps.append(statistics.mean(r["tokens_per_s"] for r in steps))
         mean = lambda x: statistics.mean(x) if x else float("nan")
         spread = f" ± {statistics.pstdev(val):.3f}" if len(val) > 1 else ""
-        print(f"| {cond} | {name} | {done} of {seeds} | {mean(spk):.1f} | {mean(skip):.1f} | "
+        print(f"| {cond} | {name} | {done} of {seeds} | {mean(spk):.1f} | {mean(gspk):.1f} | "
+              f"{mean(skip):.1f} | "
               f"{mean(clip):.1f} | {mean(tclip):.1f} | {mean(reset):.1f} | "
               f"{mean(val):.3f}{spread} | {mean(tps):.0f} |")
 PY
