@@ -2,7 +2,7 @@
 `tokenizers` library. Embedded in the binary and run with $LOCKSTEP_PYTHON by `lockstep data
 shard --tokenizer`, `data show` and `generate`; lockstep writes the shards itself.
 
-    python tokenizer.py info PATH              # {"vocab_size", "eot", "sha256"} as JSON
+    python tokenizer.py info PATH              # {"vocab_size", "eot"} as JSON
     python tokenizer.py encode PATH FILE...    # uint32 little-endian ids on stdout: each
                                                # document (file) preceded by the end-of-text id
                                                # (llm.c's convention), when the vocabulary has one
@@ -11,7 +11,6 @@ shard --tokenizer`, `data show` and `generate`; lockstep writes the shards itsel
 
 Exit 3 with one line on stderr when `tokenizers` is missing or PATH is not a tokenizer.
 """
-import hashlib
 import json
 import sys
 
@@ -52,10 +51,8 @@ def main(args):
     command, path = args[0], args[1]
     tok = load(path)
     if command == "info":
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
         print(json.dumps({"vocab_size": tok.get_vocab_size(with_added_tokens=True),
-                          "eot": eot_of(tok), "sha256": digest}))
+                          "eot": eot_of(tok)}))
     elif command == "encode":
         eot = eot_of(tok)
         for name in args[2:]:

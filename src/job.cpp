@@ -221,10 +221,12 @@ std::unique_ptr<Job> build_job(const Config& config) {
   // Before anything is allocated (the ranks run the same job: they all refuse alike).
   check_memory_plan(c, j.ranks.world_size, j.ranks.local_world_size, j.device);
   const int threads = set_intra_op_threads(c.training.threads, j.ranks.local_world_size);
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  const std::string busy =
-      busy_machine_warning(load_average(), cores, j.ranks.local_world_size, threads);
-  if (c.training.threads == 0 && !busy.empty()) log::warn_shared("{}", busy);
+  if (c.training.threads == 0) {  // only the cores shared out can be oversubscribed
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    const std::string busy =
+        busy_machine_warning(load_average(), cores, j.ranks.local_world_size, threads);
+    if (!busy.empty()) log::warn_shared("{}", busy);
+  }
   if (j.device.is_cuda()) allow_tf32(c.training.allow_tf32);
   seed_global_rng(static_cast<uint64_t>(c.training.seed));
   const std::string& folder = c.checkpoint.folder;

@@ -23,7 +23,6 @@ Tokenizer::Tokenizer(std::string path) : path_(std::move(path)) {
   const nlohmann::json info = nlohmann::json::parse(run({"info", path_}));
   vocab_size_ = info.at("vocab_size").get<int64_t>();
   if (!info.at("eot").is_null()) eot_ = info.at("eot").get<int64_t>();
-  sha256_ = info.at("sha256").get<std::string>();
 }
 
 std::string Tokenizer::run(const std::vector<std::string>& args) const {

@@ -1,8 +1,8 @@
 // A Hugging Face tokenizer (tokenizer.json) through the maintained `tokenizers` library, run by
 // lockstep's embedded script (launch/tokenizer.py) in $LOCKSTEP_PYTHON: `data shard
 // --tokenizer` encodes with it, `data show` and `generate` decode with it. `data shard` copies
-// it next to the shards, so a run finds it there (data.tokenizer = "") and its identity (a
-// SHA-256) enters the job's fingerprint like the data files' content.
+// it next to the shards, so a run finds it there (data.tokenizer = "") and its identity (the
+// file's CRC32: fingerprint.cpp) enters the job's fingerprint like the data files' content.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +23,6 @@ class Tokenizer {
   const std::string& path() const { return path_; }
   int64_t vocab_size() const { return vocab_size_; }
   std::optional<int64_t> end_of_text() const { return eot_; }
-  const std::string& sha256() const { return sha256_; }
 
   // Each file's text as a document preceded by the end-of-text id (llm.c's convention), when
   // the vocabulary has one.
@@ -36,7 +35,6 @@ class Tokenizer {
   std::string path_;
   int64_t vocab_size_ = 0;
   std::optional<int64_t> eot_;
-  std::string sha256_;
 };
 
 // The tokenizer of a run's data: data.tokenizer, else a tokenizer.json in the folder of the first

@@ -66,7 +66,7 @@ class TensorPolicies {
   bool reset_;
   std::vector<std::string> names_;
   Comm* comm_;
-  int64_t count_ = 0;          // taken steps seen (up to the warm-up, then it stays)
+  int64_t count_ = 0;          // taken steps seen (the warm-up's clock)
   std::vector<double> gamma_;  // each tensor's threshold
 };
 
