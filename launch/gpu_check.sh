@@ -12,6 +12,10 @@
 #   syncs         60    host syncs per clean step, both ways: c10's sync-debug count (30-step run
 #                       minus 10-step run) and the host's timed blocking reads (metrics
 #                       host_waits, which also sees the event wait sync-debug cannot)
+#   fsdp          60    fsdp + full recomputation on one GPU: the 0.76 B Llama at seq 8192 x 16,
+#                       which the memory plan refuses without recomputation (it does not fit),
+#                       trains with it (tokens/s, MFU, peak memory); and the peer stage's Llama
+#                       shape in fsdp + recomputation (tokens/s, against the peer stage's figures)
 #   peer         180    the PyTorch peer on the same GPT and Llama shapes, eager and torch.compile
 #                       (launch/peer_torch.py), against lockstep: tokens/s and the ratios
 #   pytorch      100    the PyTorch package built against this torch (CUDA kernels for sm_90), the
@@ -160,6 +164,21 @@ for entry in "${sync_configs[@]}"; do
   b=$(grep -c "synchronizing CUDA operation" "$runs/sync-$name-30.log")
   log "syncs $name: c10 sync-debug $(python3 -c "print(($b - $a) / 20)") per clean step; timed blocking reads $(metric "sync-$name-30" host_waits) per step, $(metric "sync-$name-30" host_wait_ms) ms"
 done
+
+# --- fsdp: parameter sharding and recomputation on the GPU (never ran before) -------------------
+stage fsdp 60
+llama=(--model.name llama --model.dim 2048 --model.n_layers 16 --model.n_heads 16
+       --model.n_kv_heads 8 --model.rope_theta 500000 --model.max_seq_len 2048
+       --training.seq_len 2048 --training.local_batch_size 4 --training.mixed_precision_param bfloat16)
+long=(--model.name llama --model.dim 2048 --model.n_layers 16 --model.n_heads 16 --model.n_kv_heads 8
+      --model.rope_theta 500000 --model.max_seq_len 8192 --training.seq_len 8192
+      --training.local_batch_size 16 --training.mixed_precision_param bfloat16 --parallelism.mode fsdp)
+train fsdp-long-none 10 "${long[@]}" --training.steps 2
+log "fsdp 0.76 B Llama, 16 x 8192 tokens, no recomputation: exit $? ($(grep -o 'memory plan: each rank needs about [0-9.]* GiB' "$runs/fsdp-long-none.log" | head -1))"
+train fsdp-long-full 40 "${long[@]}" --activation_checkpoint.mode full --training.steps 6 --metrics.log_freq 1 || status=1
+log "fsdp 0.76 B Llama, 16 x 8192 tokens, full recomputation: $(last_tok_s fsdp-long-full) tok/s, MFU $(grep -o 'MFU [0-9.]*%' "$runs/fsdp-long-full.log" | tail -1), $(grep -o 'peak resident memory [0-9]* MiB' "$runs/fsdp-long-full.log" | tail -1) (host); $(grep -o 'memory plan per rank: [0-9.]* GiB' "$runs/fsdp-long-full/logs/rank0.log" | head -1)"
+train fsdp-llama 25 "${llama[@]}" --parallelism.mode fsdp --activation_checkpoint.mode full --training.steps 20 --metrics.log_freq 10 || status=1
+log "fsdp + full recomputation, the peer stage's Llama shape: $(last_tok_s fsdp-llama) tok/s (the peer stage: lockstep ddp and PyTorch on the same shape)"
 
 # --- peer: PyTorch on the same models, eager and torch.compile ----------------------------------
 stage peer 180

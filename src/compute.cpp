@@ -26,7 +26,9 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     // A stop signal ends this rank's own batch after the micro-batch in flight (the ranks agree
     // on it in the step's exchange: nothing of the step lands, the run stops before it).
-    if (micro > 0 && index == 0 && StopSignals::received() != 0) {
+    // (Not in fsdp: every micro-batch's forward gathers with every rank.)
+    if (micro > 0 && index == 0 && StopSignals::received() != 0 &&
+        job.config.parallelism.mode != ParallelMode::kFsdp) {
       out.interrupted = true;
       break;
     }
@@ -76,8 +78,9 @@ void forward_backward(Job& job, RankStep& s, int64_t step) {
 }
 
 void check_local(Job& job, RankStep& s) {
-  s.local_checked = job.local_check != nullptr;
-  if (s.local_checked) s.local_stats = job.local_check->run().clone();  // its buffer is reused
+  s.local_checked = job.config.diagnostics.local_check;
+  if (job.local_check) s.local_stats = job.local_check->run().clone();  // its buffer is reused
+  else if (s.local_checked) s.local_stats = job.dp->local_stats();  // fsdp: unit by unit
   s.local_read = false;
 }
 

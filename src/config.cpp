@@ -42,7 +42,8 @@ LOCKSTEP_CHOICES(OnSkip, "advance", "hold")
 LOCKSTEP_CHOICES(DataSource, "synthetic", "file")
 LOCKSTEP_CHOICES(TokenFormat, "auto", "bytes", "uint16", "uint32", "llmc")
 LOCKSTEP_CHOICES(Backend, "auto", "gloo", "mpi", "nccl")
-LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded")
+LOCKSTEP_CHOICES(ParallelMode, "ddp", "sharded", "fsdp")
+LOCKSTEP_CHOICES(ActivationCheckpoint, "none", "full", "selective")
 LOCKSTEP_CHOICES(Precision, "float32", "bfloat16", "float16")
 LOCKSTEP_CHOICES(ReducePrecision, "float32", "bfloat16")
 LOCKSTEP_CHOICES(OnExisting, "refuse", "archive", "overwrite")
@@ -392,17 +393,32 @@ void parallelism_fields(std::vector<Field>& t) {
                            "ddp: replicated parameters and optimizer, gradients all-reduced; "
                            "sharded (ZeRO-2): gradients reduce-scattered, each rank keeps and "
                            "updates 1/W of the master weights and AdamW state, parameters "
-                           "all-gathered"));
+                           "all-gathered; fsdp (ZeRO-3): parameters sharded too, each "
+                           "transformer block's gathered just before its forward and its "
+                           "backward and freed after (llama only)"));
   t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0.001, false,
                           1 << 16,
                           "MiB of gradient per collective call: ddp all-reduces buckets of "
                           "whole parameters; sharded moves this much per reduce-scatter / "
-                          "all-gather call, all ranks' blocks together"));
+                          "all-gather call, all ranks' blocks together; fsdp moves a unit a call"));
   t.push_back(bool_field("parallelism", "overlap", &C::parallelism, &P::overlap,
                          "start each bucket's gradient collective during the last micro-batch's "
                          "backward, as soon as its gradients are final; needs skip.scope = "
                          "\"step\", skip.replay = \"off\", diagnostics.replay_every = 0 and "
-                         "no hardware fault kinds (they act before the sync)"));
+                         "no hardware fault kinds (they act before the sync); fsdp: each "
+                         "unit's gradient is reduce-scattered and freed as its backward ends "
+                         "(false keeps the unsharded gradient until the sync)"));
+  t.push_back(bool_field("parallelism", "prefetch", &C::parallelism, &P::prefetch,
+                         "fsdp: all-gather the next unit's parameters while the current one "
+                         "computes; false gathers each unit when it is needed"));
+  using A = ActivationCheckpointConfig;
+  t.push_back(choice_field("activation_checkpoint", "mode", &C::activation_checkpoint, &A::mode,
+                           "recompute transformer blocks' forward in backward instead of "
+                           "keeping their activations: none, full (every block) or selective "
+                           "(every Nth block); gradients bitwise equal to none"));
+  t.push_back(int_field("activation_checkpoint", "selective_ac_option", &C::activation_checkpoint,
+                        &A::selective_ac_option, 1, 1 << 20,
+                        "selective: every Nth transformer block recomputes (1 = all)"));
   t.push_back(float_field("comm", "init_timeout_seconds", &C::comm, &M::init_timeout_seconds, 0,
                           true, 86400, "time allowed for all ranks to meet at start"));
   t.push_back(float_field("comm", "train_timeout_seconds", &C::comm, &M::train_timeout_seconds,
@@ -914,6 +930,32 @@ void validate_overlap(const Config& c) {
         why));
 }
 
+// fsdp's units are llama's (the embeddings, each transformer block, the final norm with the
+// head), and each forward gathers parameters with every rank: nothing may recompute a batch on
+// one rank alone, and no parameter is replicated for a desync to diverge.
+void validate_fsdp(const Config& c) {
+  if (c.parallelism.mode != ParallelMode::kFsdp) return;
+  if (c.model.name != ModelName::kLlama)
+    throw ConfigError(
+        "invalid value for 'parallelism.mode': \"fsdp\" shards llama's units, and model.name = "
+        "\"gpt\" ties its head to its embedding across them; use model.name = \"llama\" or "
+        "parallelism.mode = \"sharded\"");
+  std::string why;
+  if (c.skip.replay != Replay::kOff) why = "skip.replay";
+  if (c.diagnostics.replay_every > 0) why = "diagnostics.replay_every";
+  if (!why.empty())
+    throw ConfigError(fmt::format(
+        "invalid value for '{}': it recomputes a batch on one rank, and parallelism.mode = "
+        "\"fsdp\" gathers each unit's parameters with every rank; turn it off or use "
+        "parallelism.mode = \"sharded\"",
+        why));
+  for (const auto& f : parse_fault_inject(c.fault.inject))
+    if (f.kind == FaultKind::kDesync)
+      throw ConfigError("invalid value for 'fault.inject': desync diverges a replica of the "
+                        "parameters, and parallelism.mode = \"fsdp\" keeps none; use "
+                        "parallelism.mode = \"ddp\" or \"sharded\" to test it");
+}
+
 void validate_device_decision(const Config& c) {
   if (c.skip.device_decision != DeviceDecisionMode::kOn) return;
   const std::string blocker = device_decision_blocker(c);
@@ -978,6 +1020,7 @@ void validate_cross(const Config& c) {
         c.model.vocab_size));
   validate_fault_config(c.fault);
   validate_overlap(c);
+  validate_fsdp(c);
   const bool replays = c.skip.replay != Replay::kOff || c.diagnostics.replay_every > 0;
   if ((replays || c.skip.scope == SkipScope::kRank) && !c.diagnostics.local_check)
     throw ConfigError(fmt::format(

@@ -112,11 +112,16 @@ void build_model(Job& j) {
   const Config& c = j.config;
   j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device);
   load_initial_weights(j);
+  // activation_checkpoint: units 1 to n_layers are the blocks (the embeddings, head never)
+  std::vector<bool> recompute = recomputed_blocks(c.activation_checkpoint, c.model.n_layers);
+  recompute.insert(recompute.begin(), false);
+  j.model->units().set_recompute(std::move(recompute));
   j.dp = make_data_parallel(
       j.model->parameters(), j.comm.get(),
       {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
        c.parallelism.overlap, adamw_options(c.optimizer),
-       dtype_of(c.training.mixed_precision_param), dtype_of(c.training.mixed_precision_reduce)});
+       dtype_of(c.training.mixed_precision_param), dtype_of(c.training.mixed_precision_reduce),
+       c.parallelism.prefetch, c.diagnostics.local_check, &j.model->units()});
   j.shard_check = std::make_unique<GradCheck>(j.dp->synced_grads(), j.dp->shard_offset(),
                                               j.dp->shard_length());
   // [B] per bucket: each bucket's (ddp) or slice's (sharded) blocks are checked as it lands,
@@ -124,7 +129,8 @@ void build_model(Job& j) {
   j.dp->on_landed([check = j.shard_check.get()](int64_t lo, int64_t hi) {
     check->run_range(lo, hi);
   });
-  if (c.diagnostics.local_check) j.local_check = std::make_unique<GradCheck>(j.dp->grads());
+  if (c.diagnostics.local_check && !j.dp->checks_local())
+    j.local_check = std::make_unique<GradCheck>(j.dp->grads());
   std::vector<std::string> names;
   for (const NamedTensor& g : j.dp->synced_grads()) names.push_back(g.name);
   j.tensors = std::make_unique<TensorPolicies>(c.skip, std::move(names), j.comm.get());
@@ -150,11 +156,24 @@ void log_setup(const Job& j) {
     log::info("MFU: {:.3g} training FLOPs per token against {:g} TFLOP/s per device",
               j.model->flops_per_token(t.seq_len), j.peak_flops / 1e12);
   if (j.validator) log::info("{}", j.validator->describe());
+  const MemoryPlan plan = memory_plan(c, j.ranks.world_size);
+  log::info("memory plan per rank: {} ({} of state in {} mode, {} of activations, {} of runtime)",
+            bytes_text(plan.total()), bytes_text(plan.state), name_of(c.parallelism.mode),
+            bytes_text(plan.activations), bytes_text(plan.runtime));
   log::info("optimizer AdamW ({}), {}, {} steps, global batch {} x {} x {} ranks x {} tokens, "
             "run dir {}",
             j.dp->fused_optimizer() ? "fused" : "for-loop", j.dp->describe(), t.steps,
             t.local_batch_size, t.gradient_accumulation_steps, j.ranks.world_size, t.seq_len,
             j.run_dir);
+  if (c.activation_checkpoint.mode != ActivationCheckpoint::kNone) {
+    std::vector<int64_t> blocks;
+    const auto recompute = recomputed_blocks(c.activation_checkpoint, c.model.n_layers);
+    for (size_t b = 0; b < recompute.size(); ++b)
+      if (recompute[b]) blocks.push_back(static_cast<int64_t>(b));
+    log::info("activation checkpointing ({}): blocks [{}] of {} recompute their forward in "
+              "backward",
+              name_of(c.activation_checkpoint.mode), fmt::join(blocks, ", "), c.model.n_layers);
+  }
   if (c.skip.enabled)
     log::info("skip: on (max_grad_norm {}, grad_norm_zscore {}, loss_zscore {}, window {}, "
               "min_history {}; guards max_consecutive {}, max_fraction {} of {}); lr on skip: {}",
@@ -352,8 +371,12 @@ void resume(Job& j) {
     const TimeoutScope timeout(j.comm.get(), j.config.checkpoint.timeout_seconds);
     j.dp->replicate_parameters();
   }
-  log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB)", resident_mib(),
-            peak_resident_mib());
+  const double setup_peak = peak_resident_mib();
+  return_free_memory();  // building the model whole before sharding it is not the run's peak
+  log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB; the run's own peak counts "
+            "from here)",
+            resident_mib(), setup_peak);
+  reset_peak_resident();
   accept(j);
   log_setup(j);
 }

@@ -51,7 +51,7 @@ void abort_run(Job& job, const Event& e, const Verdict& v) {
 }
 
 void verify(Job& job, int64_t& last_verified) {
-  const ReplicaVote vote = vote_replicas(job.model->parameters(),
+  const ReplicaVote vote = vote_replicas(job.dp->replicated_parameters(),
                                          job.dp->replicated_optimizer_state(), job.comm.get());
   if (vote.diverged.empty()) {
     last_verified = job.state.step;
@@ -133,7 +133,7 @@ void finish_run(Job& job, const Progress& progress, TrainResult& result) {
               "resident memory {:.0f} MiB, parameters crc32 {}",
               ran, total, result.tokens_per_second, result.losses.back(),
               job.state.skipped_steps, peak_resident_mib(),
-              tensors_crc32(job.model->parameters()));
+              fmt::format("{:08x}", job.dp->parameters_crc32()));
   else
     log::info("nothing to do: the run is already at step {} of {}", job.state.step,
               job.config.training.steps);

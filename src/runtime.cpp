@@ -90,12 +90,14 @@ void check_memory_plan(const Config& c, int world, int local_ranks, c10::Device 
   throw ConfigError(fmt::format(
       "memory plan: each rank needs about {} ({} of weights, gradients and optimizer state in "
       "{} mode on {} ranks, {} of activations at local batch {} x seq {}, {} of runtime) but {} "
-      "has {} available; use parallelism.mode = \"sharded\", fewer model.n_layers, a smaller "
+      "has {} available; use parallelism.mode = \"{}\", activation_checkpoint.mode = \"full\", "
+      "fewer model.n_layers, a smaller "
       "training.local_batch_size (raise gradient_accumulation_steps to keep the batch) or fewer "
       "ranks per node (training.check_memory = false starts anyway)",
       bytes_text(need), bytes_text(plan.state), name_of(c.parallelism.mode), world,
       bytes_text(plan.activations), c.training.local_batch_size, c.training.seq_len,
-      bytes_text(plan.runtime), where, bytes_text(have)));
+      bytes_text(plan.runtime), where, bytes_text(have),
+      c.model.name == ModelName::kLlama ? "fsdp" : "sharded"));  // fsdp shards llama only
 }
 
 std::string device_name(c10::Device device) {

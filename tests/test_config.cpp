@@ -269,7 +269,8 @@ TEST(Config, JsonHasEverySectionAndKey) {
   const auto j = nlohmann::json::parse(lockstep::to_json(Config{}));
   const std::vector<std::string> sections = {
       "job",  "model",       "training", "optimizer", "lr_scheduler", "checkpoint", "metrics",
-      "data", "validation",  "parallelism", "comm", "skip", "diagnostics", "fault"};
+      "data", "validation",  "parallelism", "activation_checkpoint", "comm", "skip",
+      "diagnostics", "fault"};
   EXPECT_EQ(j.size(), sections.size());
   for (const auto& s : sections) EXPECT_TRUE(j.contains(s)) << s;
   // Every key of the reference table (lines "| `section.key` | ...", up to the blank line before

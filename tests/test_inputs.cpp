@@ -171,7 +171,8 @@ TEST(Inputs, AModelThatCannotFitIsRefusedBeforeAllocating) {
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("lockstep: error: memory plan: each rank needs about "), std::string::npos)
       << r.out;
-  EXPECT_NE(r.out.find("use parallelism.mode = \"sharded\", fewer model.n_layers"),
+  EXPECT_NE(r.out.find("use parallelism.mode = \"sharded\", activation_checkpoint.mode = \"full\", "
+                       "fewer model.n_layers"),
             std::string::npos)
       << r.out;
   EXPECT_EQ(r.out.find("resident memory after setup"), std::string::npos) << r.out;

@@ -60,6 +60,9 @@ struct KillResult {
   std::string output;
 };
 
+// fsdp mode, on the llama whose units it shards.
+constexpr const char* kFsdp = "fsdp --model.name llama --parallelism.overlap true";
+
 // Starts the job, waits for `steps_before` logged steps plus `delay_ms`, sends `sig` to one
 // rank (SIGKILL: a lost machine; SIGSTOP: a rank alive but silent). `timeout` is
 // comm.train_timeout_seconds.
@@ -140,13 +143,14 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
                std::to_string(seed) + ")");
   std::mt19937 rng(seed);
   const int world = 2;
-  for (int attempt = 0; attempt < 2; ++attempt) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
     test::TempDir dir;
     const int victim = static_cast<int>(rng() % world);
     const int steps = 2 + static_cast<int>(rng() % 6), delay = static_cast<int>(rng() % 40);
     SCOPED_TRACE("kill rank " + std::to_string(victim) + " after " + std::to_string(steps) +
                  " steps + " + std::to_string(delay) + " ms");
-    const char* mode = attempt == 0 ? "ddp" : "sharded";  // one kill in each mode
+    // one kill in each mode (fsdp: its units are llama's)
+    const char* mode = attempt == 0 ? "ddp" : attempt == 1 ? "sharded" : kFsdp;
     SCOPED_TRACE(mode);
     const KillResult r = kill_one_rank(l, world, dir / "run", victim, steps, delay, SIGKILL,
                                        kTimeout, std::string("--parallelism.mode ") + mode);
@@ -172,8 +176,8 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
 
 }  // namespace
 
-// A rank stopped with SIGSTOP (alive, silent) under each launcher, in ddp and sharded mode
-// and with the gradient sync overlapped:
+// A rank stopped with SIGSTOP (alive, silent) under each launcher, in ddp, sharded and fsdp
+// mode and with the gradient sync overlapped:
 // every other rank fails its collective after comm.train_timeout_seconds with the one-line
 // error and has exited within the timeout + 10 s; then the launcher ends the stopped one (it
 // cannot act on SIGTERM while stopped): lockstep-run sends SIGCONT with its SIGTERM, mpirun
@@ -181,8 +185,9 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
 // Nothing of the job is left running.
 void expect_stall_fails_the_job(Launcher l, double launcher_grace = 0) {
   constexpr int kStallTimeout = 5;
-  // The third: the buckets start during backward, so the stall may leave them in flight.
-  for (const char* mode : {"ddp", "sharded", "ddp --parallelism.overlap true"}) {
+  // The third: the buckets start during backward, so the stall may leave them in flight; the
+  // fourth: every forward and backward gathers parameters.
+  for (const char* mode : {"ddp", "sharded", "ddp --parallelism.overlap true", kFsdp}) {
     SCOPED_TRACE(mode);
     test::TempDir dir;
     // A checkpoint every step: the stall may fall into a save, whose collectives wait

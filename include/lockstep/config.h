@@ -27,7 +27,9 @@ enum class DataSource { kSynthetic, kFile };
 // auto: llm.c shards by their header, other .bin files uint16, everything else bytes
 enum class TokenFormat { kAuto, kBytes, kUint16, kUint32, kLlmc };
 enum class Backend { kAuto, kGloo, kMpi, kNccl };   // auto: nccl on GPUs, gloo on CPUs
-enum class ParallelMode { kDdp, kSharded };         // sharded = ZeRO-2
+enum class ParallelMode { kDdp, kSharded, kFsdp };  // sharded = ZeRO-2, fsdp = ZeRO-3
+// torchtitan's names: selective recomputes every Nth transformer block
+enum class ActivationCheckpoint { kNone, kFull, kSelective };
 enum class Precision { kFloat32, kBFloat16, kFloat16 };  // "float32", "bfloat16", "float16"
 enum class ReducePrecision { kFloat32, kBFloat16 };
 enum class OnExisting { kRefuse, kArchive, kOverwrite };  // a fresh start in a used run folder
@@ -52,6 +54,7 @@ template <> std::span<const std::string_view> choice_names<DataSource>();
 template <> std::span<const std::string_view> choice_names<TokenFormat>();
 template <> std::span<const std::string_view> choice_names<Backend>();
 template <> std::span<const std::string_view> choice_names<ParallelMode>();
+template <> std::span<const std::string_view> choice_names<ActivationCheckpoint>();
 template <> std::span<const std::string_view> choice_names<Precision>();
 template <> std::span<const std::string_view> choice_names<ReducePrecision>();
 template <> std::span<const std::string_view> choice_names<OnExisting>();
@@ -193,6 +196,15 @@ struct ParallelismConfig {
   // Start each bucket's gradient collective during the last micro-batch's backward, as soon
   // as autograd has finished its gradients (hooks on the gradient accumulators).
   bool overlap = false;
+  // fsdp: all-gather the next unit's parameters while the current one computes (forward and
+  // backward); false gathers each unit when it is needed.
+  bool prefetch = true;
+};
+
+// Recomputing activations in backward instead of keeping them (torchtitan's section).
+struct ActivationCheckpointConfig {
+  ActivationCheckpoint mode = ActivationCheckpoint::kNone;
+  int64_t selective_ac_option = 2;  // selective: every Nth transformer block recomputes
 };
 
 struct CommConfig {
@@ -272,6 +284,7 @@ struct Config {
   DataConfig data;
   ValidationConfig validation;
   ParallelismConfig parallelism;
+  ActivationCheckpointConfig activation_checkpoint;
   CommConfig comm;
   SkipConfig skip;
   DiagnosticsConfig diagnostics;

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "lockstep/config.h"
 
@@ -32,16 +33,25 @@ ModelSize model_size(const ModelConfig& model);
 int64_t llama_ffn_hidden(const ModelConfig& model);
 
 // Bytes of training state per rank (weights, gradients, masters, moments, reduce buffers; not
-// activations) for `world` ranks in the given mode and precisions, as the README's table says.
-double state_bytes_per_rank(const ModelSize& size, const TrainingConfig& training,
-                            ParallelMode mode, int64_t world);
+// activations) for `world` ranks in `mode` with the config's precisions (and, fsdp, its
+// overlap and accumulation: whether the unsharded gradients stay), as docs/usage.md's table
+// says.
+double state_bytes_per_rank(const ModelSize& size, const Config& config, ParallelMode mode,
+                            int64_t world);
+
+// The parameters of the largest unit fsdp gathers (the embeddings, a block, or the head).
+int64_t largest_unit(const ModelSize& size);
+
+// Which of `blocks` transformer blocks recompute their forward in backward (activation_checkpoint).
+std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, int64_t blocks);
 
 // Bytes of activations one rank keeps for backward at the configured micro-batch
 // (training.local_batch_size x seq_len): per token, each layer keeps about 10 x dim + 3 x the
 // feed-forward width values (Llama: 18 x dim + 4 x the width) in the compute dtype, and the
 // output 4 x vocab fp32 values — fitted to peak resident memory measured on the CPU (GPT dim
 // 128-512, 2-8 layers, seq 64-256, and torchtitan's Llama debug model: within 20 %;
-// docs/reliability.md).
+// docs/reliability.md). A block that recomputes (activation_checkpoint) keeps its input only,
+// dim values a token, and one block's activations exist again while it recomputes.
 double activation_bytes_per_rank(const ModelSize& size, const Config& config);
 
 // What one rank needs, as `config check` prints it and the trainer checks before allocating.

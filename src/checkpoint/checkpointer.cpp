@@ -174,13 +174,15 @@ void Checkpointer::write_parts(const std::string& tmp, const WeightSource& weigh
                                std::map<std::string, uint32_t>& optim_crc,
                                std::string& error) const {
   model_crc = write_weights(tmp + "/model.safetensors", weights, rank == 0, error);
-  const bool flat = optimizer.layout == OptimizerLayout::kFlatShards;
+  const bool flat = optimizer.layout != OptimizerLayout::kPerParameter;
   if (!flat && rank != 0) return;
   attempt(error, [&] {
-    // A shard names its own range in its header, so a reader can tell a swapped file.
+    // A shard names its own ranges in its header, so a reader can tell a swapped file.
     std::map<std::string, std::string> range;
-    if (flat) range = {{"lockstep_offset", std::to_string(optimizer.offset)},
-                       {"lockstep_length", std::to_string(optimizer.length)}};
+    std::string ranges;
+    for (const auto& [o, l] : optimizer.file_ranges())
+      ranges += (ranges.empty() ? "" : ",") + shard_range_text(o, l);
+    if (flat) range = {{"lockstep_ranges", ranges}};
     SafetensorsWriter file(tmp + "/" + (flat ? shard_file(rank) : "optimizer.safetensors"),
                            to_write(optimizer.tensors), range);
     for (const auto& t : optimizer.tensors) file.append(t.tensor);
@@ -245,8 +247,11 @@ std::string Checkpointer::save(const TrainState& state, const WeightSource& weig
   // 2. Every rank writes its files and reports its range and CRC32s.
   std::map<std::string, uint32_t> model_crc, optim_crc;
   write_parts(tmp, weights, optimizer, rank, model_crc, optim_crc, error);
-  std::vector<double> report = {ok(), static_cast<double>(optimizer.offset),
-                                static_cast<double>(optimizer.length)};
+  // [ok, ranges..., (offset, length) of each, the CRC32 of each tensor]: as long on every rank
+  const auto ranges = optimizer.file_ranges();
+  std::vector<double> report = {ok(), static_cast<double>(ranges.size())};
+  for (const auto& [o, l] : ranges)
+    report.insert(report.end(), {static_cast<double>(o), static_cast<double>(l)});
   for (const auto& t : optimizer.tensors) report.push_back(static_cast<double>(optim_crc[t.name]));
   const auto reports = all_gather_values(comm, report);
   check(reports);
@@ -256,9 +261,12 @@ std::string Checkpointer::save(const TrainState& state, const WeightSource& weig
   if (lead) attempt(error, [&] {
       std::vector<ShardReport> shards;
       for (const auto& r : reports) {
-        ShardReport s{static_cast<int64_t>(r[1]), static_cast<int64_t>(r[2]), {}};
+        ShardReport s;
+        const auto n = static_cast<size_t>(r[1]);
+        for (size_t i = 0; i < n; ++i)
+          s.ranges.emplace_back(static_cast<int64_t>(r[2 + 2 * i]), static_cast<int64_t>(r[3 + 2 * i]));
         for (size_t i = 0; i < optimizer.tensors.size(); ++i)
-          s.crcs[optimizer.tensors[i].name] = static_cast<uint32_t>(r[3 + i]);
+          s.crcs[optimizer.tensors[i].name] = static_cast<uint32_t>(r[2 + 2 * n + i]);
         shards.push_back(s);
       }
       publish(tmp, final_dir, build_meta(state, optimizer.layout, config, cpu_rng_state(),

@@ -6,9 +6,10 @@
 // meta.json; safetensors.h is the file codec, reshard.h reads any layout at any world size.
 //
 // Layout of step-N/: model.safetensors (the fp32 weights, rank 0 writes it), then the optimizer
-// in one of two layouts: optimizer.safetensors (rank 0, a tensor per parameter; meta.json
+// in one of three layouts: optimizer.safetensors (rank 0, a tensor per parameter; meta.json
 // "mode": "ddp") or optimizer-rank<R>.safetensors (one per rank, its block of the flat moments,
-// its range in its own header; "mode": "sharded"), and meta.json last.
+// "mode": "sharded", or its block of each unit's, "mode": "fsdp"; its ranges in its own
+// header), and meta.json last.
 #pragma once
 
 #include <cstdint>
@@ -35,12 +36,19 @@ struct WeightSource {
   std::function<void(int64_t lo, int64_t n, float* dst)> gather;
 };
 
-// What one rank saves of the optimizer: per parameter (rank 0) or as this rank's flat shard
-// ("exp_avg", "exp_avg_sq" over [offset, offset + length) of the flat space, a 0-dim "step").
+// What one rank saves of the optimizer: per parameter (rank 0), as this rank's flat shard
+// ("exp_avg", "exp_avg_sq" over [offset, offset + length) of the flat space, a 0-dim "step"),
+// or as its block of each unit (fsdp: "exp_avg.<u>", "exp_avg_sq.<u>" over ranges[u]).
 struct OptimizerPart {
   OptimizerLayout layout = OptimizerLayout::kPerParameter;
   std::vector<NamedTensor> tensors;
   int64_t offset = 0, length = 0;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // kUnitShards: (offset, length) per unit
+  // The ranges this rank's file holds (one for a flat shard).
+  std::vector<std::pair<int64_t, int64_t>> file_ranges() const {
+    if (layout == OptimizerLayout::kFlatShards) return {{offset, length}};
+    return ranges;
+  }
 };
 
 struct CheckpointOptions {

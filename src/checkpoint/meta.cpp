@@ -81,7 +81,8 @@ void check_counters(const MetaCheck& c, const json& meta, const std::string& dir
 
 void check_layout(const MetaCheck& c, const json& meta) {
   const std::string mode = c.text(meta, "mode", "mode");
-  if (mode != "ddp" && mode != "sharded") c.fail("mode", "is \"" + mode + "\", not ddp or sharded");
+  if (mode != "ddp" && mode != "sharded" && mode != "fsdp")
+    c.fail("mode", "is \"" + mode + "\", not ddp, sharded or fsdp");
   const json& checksums = c.object("checksums");
   for (const auto& [file, crcs] : checksums.items()) {
     if (!crcs.is_object()) c.fail("checksums." + file, "is not an object");
@@ -173,14 +174,21 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
   };
   json checksums = {{"model.safetensors", crc_json(model_crc)}};
   json shard_list = json::array();
-  if (layout == OptimizerLayout::kFlatShards) {
-    for (size_t r = 0; r < shards.size(); ++r) {
+  if (layout != OptimizerLayout::kPerParameter) {
+    for (size_t r = 0; r < shards.size(); ++r)
       checksums[shard_file(static_cast<int>(r))] = crc_json(shards[r].crcs);
-      shard_list.push_back({{"rank", r},
-                            {"file", shard_file(static_cast<int>(r))},
-                            {"offset", shards[r].offset},
-                            {"length", shards[r].length}});
-    }
+    // In the flat space's order, so that they tile it from 0: sharded, a block per rank; fsdp,
+    // unit by unit, each rank's block of the unit ("suffix": its tensors' ".<unit>").
+    const size_t units = shards.at(0).ranges.size();
+    for (size_t u = 0; u < units; ++u)
+      for (size_t r = 0; r < shards.size(); ++r) {
+        json piece = {{"rank", r},
+                      {"file", shard_file(static_cast<int>(r))},
+                      {"offset", shards[r].ranges.at(u).first},
+                      {"length", shards[r].ranges.at(u).second}};
+        if (layout == OptimizerLayout::kUnitShards) piece["suffix"] = "." + std::to_string(u);
+        shard_list.push_back(piece);
+      }
   } else {
     checksums["optimizer.safetensors"] = crc_json(optim_crc);
   }
@@ -196,7 +204,7 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
                {"rng", {{"cpu", rng_hex}}},
                {"config", config},
                {"checksums", checksums}});
-  if (layout == OptimizerLayout::kFlatShards) meta["optimizer_shards"] = shard_list;
+  if (layout != OptimizerLayout::kPerParameter) meta["optimizer_shards"] = shard_list;
   return meta;
 }
 

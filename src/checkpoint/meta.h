@@ -28,10 +28,10 @@ nlohmann::json read_meta(const std::string& dir);
 // The counters of a checked meta.json.
 TrainState state_of(const nlohmann::json& meta);
 
-// One rank's part of a save, as it reports it to rank 0: its optimizer file's range and the
-// CRC32 of each of its tensors (flat shards only).
+// One rank's part of a save, as it reports it to rank 0: its optimizer file's ranges (one for a
+// flat shard, one per unit for fsdp) and the CRC32 of each of its tensors (shards only).
 struct ShardReport {
-  int64_t offset = 0, length = 0;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, length)
   std::map<std::string, uint32_t> crcs;
 };
 

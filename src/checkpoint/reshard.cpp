@@ -12,14 +12,24 @@
 
 namespace lockstep {
 
+std::string shard_range_text(int64_t offset, int64_t length) {
+  return fmt::format("{}+{}", offset, length);
+}
+
 const char* mode_name(OptimizerLayout layout) {
-  return layout == OptimizerLayout::kFlatShards ? "sharded" : "ddp";
+  switch (layout) {
+    case OptimizerLayout::kFlatShards: return "sharded";
+    case OptimizerLayout::kUnitShards: return "fsdp";
+    case OptimizerLayout::kPerParameter: break;
+  }
+  return "ddp";
 }
 
 OptimizerLayout layout_of(const nlohmann::json& meta) {
-  return meta.value("mode", "ddp") == mode_name(OptimizerLayout::kFlatShards)
-             ? OptimizerLayout::kFlatShards
-             : OptimizerLayout::kPerParameter;
+  const std::string mode = meta.value("mode", "ddp");
+  for (auto l : {OptimizerLayout::kFlatShards, OptimizerLayout::kUnitShards})
+    if (mode == mode_name(l)) return l;
+  return OptimizerLayout::kPerParameter;
 }
 
 CheckpointReader::CheckpointReader(std::string dir, const nlohmann::json& meta,
@@ -32,10 +42,10 @@ CheckpointReader::CheckpointReader(std::string dir, const nlohmann::json& meta,
   }
   for (const char* kind : {"exp_avg", "exp_avg_sq"}) {
     auto& pieces = moments_[kind];
-    if (layout_of(meta) == OptimizerLayout::kFlatShards) {
-      for (const auto& s : meta.at("optimizer_shards"))
-        pieces.push_back({s.at("file").get<std::string>(), kind, s.at("offset").get<int64_t>(),
-                          s.at("length").get<int64_t>()});
+    if (layout_of(meta) != OptimizerLayout::kPerParameter) {
+      for (const auto& s : meta.at("optimizer_shards"))  // fsdp: "suffix" names the unit
+        pieces.push_back({s.at("file").get<std::string>(), kind + s.value("suffix", ""),
+                          s.at("offset").get<int64_t>(), s.at("length").get<int64_t>()});
     } else {
       for (const auto& w : weights_)
         pieces.push_back({"optimizer.safetensors", w.name + "." + kind, w.offset, w.length});
@@ -43,7 +53,8 @@ CheckpointReader::CheckpointReader(std::string dir, const nlohmann::json& meta,
   }
   const auto& first = moments_.at("exp_avg").at(0);
   step_file_ = first.file;
-  step_name_ = layout_of(meta) == OptimizerLayout::kFlatShards ? "step" : model.at(0).name + ".step";
+  step_name_ =
+      layout_of(meta) != OptimizerLayout::kPerParameter ? "step" : model.at(0).name + ".step";
 }
 
 void CheckpointReader::fill(const std::vector<Piece>& pieces, const at::Tensor& target,
@@ -98,16 +109,21 @@ const MappedSafetensors& CheckpointReader::open(const std::string& file) {
                                    f.path(), name, problem));
     f.release(v);
   }
-  for (const auto& p : moments_.at("exp_avg")) {
-    if (p.file != file || !f.metadata().count("lockstep_offset")) continue;
-    if (f.metadata().at("lockstep_offset") != std::to_string(p.offset) ||
-        f.metadata().at("lockstep_length") != std::to_string(p.length))
-      throw InputError(fmt::format(
-          "checkpoint file '{}' holds the range [{}, +{}) but meta.json gives it [{}, +{}) (the "
-          "checkpoint was edited or its files swapped); resume from another step",
-          f.path(), f.metadata().at("lockstep_offset"), f.metadata().at("lockstep_length"),
-          p.offset, p.length));
-  }
+  // The ranges meta.json gives this file, as its header writes them ("offset+length,...").
+  std::string ranges;
+  for (const auto& p : moments_.at("exp_avg"))
+    if (p.file == file) ranges += (ranges.empty() ? "" : ",") + shard_range_text(p.offset, p.length);
+  const auto& m = f.metadata();
+  const std::string own = m.count("lockstep_ranges") ? m.at("lockstep_ranges")
+                          : m.count("lockstep_offset")
+                              ? shard_range_text(std::stoll(m.at("lockstep_offset")),
+                                                 std::stoll(m.at("lockstep_length")))
+                              : ranges;
+  if (own != ranges)
+    throw InputError(fmt::format(
+        "checkpoint file '{}' holds the range(s) {} but meta.json gives it {} (the checkpoint was "
+        "edited or its files swapped); resume from another step",
+        f.path(), own, ranges));
   return f;
 }
 

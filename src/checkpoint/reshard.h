@@ -1,8 +1,8 @@
 // Reading a checkpoint as ranges of the flat parameter space (the parameters in model order,
 // flattened), whatever files hold them: the fp32 weights from model.safetensors, the AdamW
 // moments from one optimizer.safetensors with a tensor per parameter (written in ddp mode) or
-// from one optimizer-rank<R>.safetensors per rank with a block each (sharded mode, any world
-// size). So a run resumes at another world size or in the other mode: each rank reads the
+// from one optimizer-rank<R>.safetensors per rank with a block each (sharded mode) or a block of
+// each unit (fsdp mode), at any world size. So a run resumes at another world size or in the other mode: each rank reads the
 // ranges it needs. Every file is checked when opened: each tensor's CRC32 against meta.json,
 // a shard's range against its own header.
 #pragma once
@@ -21,13 +21,16 @@
 
 namespace lockstep {
 
-// How a checkpoint stores the optimizer (meta.json "mode": "ddp" | "sharded").
+// How a checkpoint stores the optimizer (meta.json "mode": "ddp" | "sharded" | "fsdp").
 enum class OptimizerLayout {
   kPerParameter,  // optimizer.safetensors, by rank 0: "<param>.exp_avg", ".exp_avg_sq", ".step"
   kFlatShards,    // optimizer-rank<R>.safetensors, by each rank: its block of the flat space
+  kUnitShards,    // the same, its block of each unit u: "exp_avg.<u>", "exp_avg_sq.<u>"
 };
 const char* mode_name(OptimizerLayout layout);  // what meta.json calls it
 OptimizerLayout layout_of(const nlohmann::json& meta);
+// A shard's range as its file's header names it: "offset+length".
+std::string shard_range_text(int64_t offset, int64_t length);
 
 class CheckpointReader {
  public:

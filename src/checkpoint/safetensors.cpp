@@ -247,8 +247,7 @@ std::string crc_problem(const TensorView& v, const json& crcs, const std::string
   return "";
 }
 
-uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors) {
-  uint32_t crc = 0;
+uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors, uint32_t crc) {
   for (const auto& t : tensors) {
     at::Tensor c = t.tensor.detach().to(at::kCPU).contiguous();
     crc = crc32_fast(c.const_data_ptr(), c.nbytes(), crc);

@@ -103,8 +103,9 @@ const char* safetensors_dtype(at::ScalarType t);
 
 // CRC32 of bytes, as meta.json writes it ("%08x").
 std::string crc_hex(const void* data, size_t n);
-// CRC32 over the bytes of all the tensors, in order: a cheap cross-rank fingerprint.
-uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors);
+// CRC32 over the bytes of all the tensors, in order: a cheap cross-rank fingerprint (`crc`: a
+// running value from tensors before them).
+uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors, uint32_t crc = 0);
 std::string tensors_crc32(const std::vector<NamedTensor>& tensors);  // the same, "%08x"
 
 // The CRC32 check every reader of a checkpoint applies: `crcs` (meta.json's object for the

@@ -2,6 +2,9 @@
 
 #include <fmt/core.h>
 #include <unistd.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <cmath>
 #include <fstream>
@@ -30,6 +33,12 @@ double peak_resident_mib() {
     in.ignore(1 << 16, '\n');
   }
   return 0;
+}
+
+void return_free_memory() {
+#ifdef __GLIBC__
+  ::malloc_trim(0);
+#endif
 }
 
 bool reset_peak_resident() {

@@ -44,13 +44,23 @@ ValidationResult Validator::run(const Model& model, Comm* comm) const {
   // This rank's share: ids rank, rank + W, rank + 2W, ... below samples_, in batches.
   std::vector<int64_t> mine;
   for (int64_t id = ranks_.rank; id < samples_; id += W) mine.push_back(id);
-  for (size_t first = 0; first < mine.size(); first += static_cast<size_t>(batch_)) {
-    const size_t last = std::min(mine.size(), first + static_cast<size_t>(batch_));
-    const std::vector<int64_t> ids(mine.begin() + static_cast<ptrdiff_t>(first),
-                                   mine.begin() + static_cast<ptrdiff_t>(last));
+  // fsdp gathers parameters with every rank in each forward: there every rank runs as many
+  // batches as rank 0 (the most), a rank with fewer repeating its last one uncounted.
+  const auto B = static_cast<size_t>(batch_);
+  const size_t most = static_cast<size_t>((samples_ + W - 1) / W);
+  const size_t rounds = (config_.parallelism.mode == ParallelMode::kFsdp ? most : mine.size());
+  for (size_t first = 0; first < rounds; first += B) {
+    const bool counted = first < mine.size();
+    const size_t from = counted ? first : (mine.empty() ? 0 : mine.size() - 1);
+    const size_t last = std::min(mine.size(), from + B);
+    const std::vector<int64_t> ids =
+        mine.empty() ? std::vector<int64_t>{0}
+                     : std::vector<int64_t>(mine.begin() + static_cast<ptrdiff_t>(from),
+                                            mine.begin() + static_cast<ptrdiff_t>(last));
     at::Tensor batch = load_batch(*sampler_, ids, T, device_);  // (B, T + 1)
     at::Tensor losses = sample_losses(model.forward(batch.slice(1, 0, T), /*train=*/false),
                                       batch.slice(1, 1, T + 1));  // (B)
+    if (!counted) continue;
     sum += losses.to(at::kDouble).sum().item<double>();
     count += static_cast<double>(ids.size());
   }

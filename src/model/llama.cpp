@@ -52,6 +52,7 @@ Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device) : Mod
   // 3 std. Created in this order, so the same seed gives the same weights.
   tok_embeddings_ = add("tok_embeddings.weight", at::empty({V, C}, f32).normal_(0.0, 1.0, gen),
                         device);
+  end_unit();
   const double s = cfg_.init_std;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
@@ -67,11 +68,13 @@ Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device) : Mod
     y.w2 = tn(p + "feed_forward.w2.weight", {C, H}, deep);
     y.w3 = tn(p + "feed_forward.w3.weight", {H, C}, deep);
     layers_.push_back(y);
+    end_unit();
   }
   norm_ = ones("norm.weight");
   const double out_std = 1.0 / std::sqrt(static_cast<double>(C));
   output_ = add("output.weight", trunc_normal({V, C}, out_std, -3 * out_std, 3 * out_std, gen),
                 device);
+  end_unit();
 
   // Angles t / theta^(2i / hd) for the interleaved pairs (2i, 2i + 1), in fp32 as torchtitan.
   at::Tensor inv = at::pow(cfg_.rope_theta, at::arange(0, hd, 2, f32).div(static_cast<double>(hd)))
@@ -90,30 +93,41 @@ at::Tensor Llama::rotate(const at::Tensor& x) const {
       .to(x.scalar_type());
 }
 
-at::Tensor Llama::forward(const at::Tensor& idx, bool train) const {
-  const int64_t B = idx.size(0), T = idx.size(1), C = cfg_.dim;
+at::Tensor Llama::block(const Layer& y, const at::Tensor& h_in, bool train) const {
+  const int64_t B = h_in.size(0), T = h_in.size(1), C = cfg_.dim;
   const int64_t nh = cfg_.n_heads, nkv = size_.kv_heads, hd = size_.head_dim;
   const double p_drop = train ? cfg_.dropout : 0.0;
   const double eps = cfg_.norm_eps;
   auto drop = [&](const at::Tensor& t) { return p_drop > 0 ? at::dropout(t, p_drop, true) : t; };
-
-  at::Tensor h = drop(at::embedding(tok_embeddings_, idx));  // (B, T, C)
-  for (const Layer& y : layers_) {
-    at::Tensor x = at::rms_norm(h, {C}, y.attention_norm, eps);
-    at::Tensor q = rotate(at::linear(x, y.wq).view({B, T, nh, hd}));
-    at::Tensor k = rotate(at::linear(x, y.wk).view({B, T, nkv, hd}));
-    at::Tensor v = at::linear(x, y.wv).view({B, T, nkv, hd});
-    if (nkv != nh) {  // grouped-query attention: query head j reads key/value head j / (nh/nkv)
-      k = k.repeat_interleave(nh / nkv, 2);
-      v = v.repeat_interleave(nh / nkv, 2);
-    }
-    at::Tensor att = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                      p_drop);  // (B, nh, T, hd)
-    h = h.add(drop(at::linear(att.transpose(1, 2).reshape({B, T, nh * hd}), y.wo)));
-    x = at::rms_norm(h, {C}, y.ffn_norm, eps);
-    h = h.add(drop(at::linear(at::silu(at::linear(x, y.w1)).mul(at::linear(x, y.w3)), y.w2)));
+  at::Tensor h = h_in;
+  at::Tensor x = at::rms_norm(h, {C}, y.attention_norm, eps);
+  at::Tensor q = rotate(at::linear(x, y.wq).view({B, T, nh, hd}));
+  at::Tensor k = rotate(at::linear(x, y.wk).view({B, T, nkv, hd}));
+  at::Tensor v = at::linear(x, y.wv).view({B, T, nkv, hd});
+  if (nkv != nh) {  // grouped-query attention: query head j reads key/value head j / (nh/nkv)
+    k = k.repeat_interleave(nh / nkv, 2);
+    v = v.repeat_interleave(nh / nkv, 2);
   }
-  return at::linear(at::rms_norm(h, {C}, norm_, eps), output_);  // (B, T, V)
+  at::Tensor att = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    p_drop);  // (B, nh, T, hd)
+  h = h.add(drop(at::linear(att.transpose(1, 2).reshape({B, T, nh * hd}), y.wo)));
+  x = at::rms_norm(h, {C}, y.ffn_norm, eps);
+  return h.add(drop(at::linear(at::silu(at::linear(x, y.w1)).mul(at::linear(x, y.w3)), y.w2)));
+}
+
+// The units: the embeddings, each block, the final norm with the output layer (units.h).
+at::Tensor Llama::forward(const at::Tensor& idx, bool train) const {
+  const double p_drop = train ? cfg_.dropout : 0.0;
+  at::Tensor h = units_.run(0, idx, [this, p_drop](const at::Tensor& ids) {
+    const at::Tensor e = at::embedding(tok_embeddings_, ids);  // (B, T, C)
+    return p_drop > 0 ? at::dropout(e, p_drop, true) : e;
+  });
+  for (size_t l = 0; l < layers_.size(); ++l)
+    h = units_.run(static_cast<int>(l) + 1, h,
+                   [this, l, train](const at::Tensor& x) { return block(layers_[l], x, train); });
+  return units_.run(static_cast<int>(layers_.size()) + 1, h, [this](const at::Tensor& x) {
+    return at::linear(at::rms_norm(x, {cfg_.dim}, norm_, cfg_.norm_eps), output_);  // (B, T, V)
+  });
 }
 
 }  // namespace lockstep

@@ -18,6 +18,8 @@ class Llama final : public Model {
   struct Layer {
     at::Tensor attention_norm, wq, wk, wv, wo, ffn_norm, w1, w2, w3;
   };
+  // One transformer block: h (B, T, C) -> h (B, T, C).
+  at::Tensor block(const Layer& y, const at::Tensor& h, bool train) const;
   // x (B, T, H, hd) rotated by the position angles, in fp32, back in x's dtype.
   at::Tensor rotate(const at::Tensor& x) const;
 

@@ -22,6 +22,14 @@ at::Tensor Model::add(const std::string& name, at::Tensor t, c10::Device device)
   return t;
 }
 
+void Model::end_unit() {
+  int first = 0;
+  for (int u = 0; u < units_.size(); ++u) first += static_cast<int>(units_.params(u).size());
+  std::vector<int> unit;
+  for (int i = first; i < static_cast<int>(params_.size()); ++i) unit.push_back(i);
+  units_.add(std::move(unit));
+}
+
 int64_t Model::num_parameters() const {
   int64_t n = 0;
   for (const auto& p : params_) n += p.tensor.numel();

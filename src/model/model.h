@@ -11,6 +11,7 @@
 
 #include "lockstep/config.h"
 #include "lockstep/model_size.h"
+#include "model/units.h"
 #include "tensors.h"
 
 namespace lockstep {
@@ -29,6 +30,9 @@ class Model {
   const std::vector<NamedTensor>& parameters() const { return params_; }
   int64_t num_parameters() const;
   const ModelConfig& config() const { return cfg_; }
+  // The forward's units (the embeddings, each transformer block, the head): activation
+  // recomputation and fsdp's gathering act on them.
+  Units& units() { return units_; }
   // Training FLOPs per token at this sequence length (for MFU).
   double flops_per_token(int64_t seq_len) const { return size_.flops_per_token(seq_len); }
 
@@ -36,9 +40,13 @@ class Model {
   // Registers a parameter (moved to `device`, requiring grad) and returns it.
   at::Tensor add(const std::string& name, at::Tensor t, c10::Device device);
 
+  // The parameters registered since the last call, as the next unit (in forward order).
+  void end_unit();
+
   ModelConfig cfg_;
   ModelSize size_;
   std::vector<NamedTensor> params_;
+  Units units_;
 };
 
 // The model model.name names, its weights drawn on the CPU from `seed` (so every device and

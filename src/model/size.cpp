@@ -1,5 +1,8 @@
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "lockstep/model_size.h"
 #include "text.h"
 
@@ -45,19 +48,45 @@ double ModelSize::flops_per_token(int64_t seq_len) const {
   return 6.0 * multiplying + 12.0 * static_cast<double>(layers * heads * head_dim * seq_len);
 }
 
-double state_bytes_per_rank(const ModelSize& size, const TrainingConfig& t, ParallelMode mode,
+int64_t largest_unit(const ModelSize& s) {
+  const int64_t block = (s.parameters - s.embedding - s.tied_head) / std::max<int64_t>(1, s.layers);
+  return std::max({s.embedding, block, s.parameters - s.embedding - s.layers * block});
+}
+
+std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, int64_t blocks) {
+  std::vector<bool> out(static_cast<size_t>(blocks), false);
+  for (int64_t b = 1; b <= blocks && config.mode != ActivationCheckpoint::kNone; ++b)
+    out[b - 1] = config.mode == ActivationCheckpoint::kFull || b % config.selective_ac_option == 0;
+  return out;
+}
+
+double state_bytes_per_rank(const ModelSize& size, const Config& c, ParallelMode mode,
                             int64_t world) {
-  // Bytes per parameter: fixed on every rank, and divided among the ranks (sharded). See the
+  // Bytes per parameter: fixed on every rank, and divided among the ranks (sharded, fsdp). See
   // docs/usage.md's Mixed precision table.
+  const TrainingConfig& t = c.training;
   const bool p16 = t.mixed_precision_param != Precision::kFloat32;
   const bool r16 = t.mixed_precision_reduce == ReducePrecision::kBFloat16;
   double ddp = 16, fixed = 8, spread = 16;  // fp32 / fp32
   if (p16 && !r16) ddp = 20, fixed = 8, spread = 18;
   if (p16 && r16) ddp = 20, fixed = 4, spread = 20;
   if (!p16 && r16) ddp = 18, fixed = 10, spread = 18;
-  const double per_param =
-      mode == ParallelMode::kDdp ? ddp : fixed + spread / static_cast<double>(world);
-  return per_param * static_cast<double>(size.parameters);
+  const double n = static_cast<double>(size.parameters);
+  if (mode == ParallelMode::kDdp) return ddp * n;
+  if (mode == ParallelMode::kSharded) return (fixed + spread / static_cast<double>(world)) * n;
+  // fsdp: the same spread (masters, moments, reduced shard, the P-dtype copy); a gradient buffer
+  // of every parameter only without overlap (or with gradient accumulation, which keeps the
+  // unsharded gradients to the last micro-batch); and, passing, two units gathered (the one
+  // computing, the next prefetched) and, with overlap, the gradient of the unit accumulating (P)
+  // with three units' in flight (in R).
+  const double p = p16 ? 2 : 4, r = r16 ? 2 : 4;
+  const bool overlap = c.parallelism.overlap && world > 1;
+  const double grads = !overlap ? p + (r != p ? r : 0)
+                       : t.gradient_accumulation_steps > 1 ? p
+                                                           : 0;
+  const double unit = static_cast<double>(largest_unit(size));
+  const double passing = 2 * unit * p + (overlap ? unit * (p + 3 * r) : 0);
+  return (grads + spread / static_cast<double>(world)) * n + passing;
 }
 
 std::string bytes_text(double b) {
@@ -73,14 +102,19 @@ double activation_bytes_per_rank(const ModelSize& size, const Config& c) {
   const bool llama = c.model.name == ModelName::kLlama;
   const double per_layer = (llama ? 18.0 : 10.0) * static_cast<double>(c.model.dim) +
                            (llama ? 4.0 : 3.0) * static_cast<double>(size.ffn_hidden);
-  return tokens * (static_cast<double>(size.layers) * per_layer * compute +
-                   4.0 * static_cast<double>(c.model.vocab_size) * 4);
+  // A recomputed block keeps its input only (dim values a token), and one block's activations
+  // exist again while it recomputes.
+  const std::vector<bool> recompute = recomputed_blocks(c.activation_checkpoint, size.layers);
+  double layers = 0;
+  for (bool r : recompute) layers += r ? static_cast<double>(c.model.dim) / per_layer : 1.0;
+  if (std::find(recompute.begin(), recompute.end(), true) != recompute.end()) layers += 1;
+  return tokens * (layers * per_layer * compute + 4.0 * static_cast<double>(c.model.vocab_size) * 4);
 }
 
 MemoryPlan memory_plan(const Config& c, int64_t world) {
   const ModelSize s = model_size(c.model);
   constexpr double kRuntime = 160.0 * 1048576;  // LibTorch's CPU process, measured at start
-  return {state_bytes_per_rank(s, c.training, c.parallelism.mode, world),
+  return {state_bytes_per_rank(s, c, c.parallelism.mode, world),
           activation_bytes_per_rank(s, c), kRuntime};
 }
 
@@ -93,18 +127,36 @@ std::string describe_model_size(const Config& c) {
       s.ffn_hidden);
   out += fmt::format("training FLOPs per token at seq_len {}: {:.3g}\n", c.training.seq_len,
                      s.flops_per_token(c.training.seq_len));
-  out += fmt::format("training state per rank ({} compute, {} reduction; activations not "
-                     "counted):\n  ranks          ddp      sharded\n",
+  out += fmt::format("training state per rank ({} compute, {} reduction, overlap {}; "
+                     "activations not counted):\n  ranks          ddp      sharded         fsdp\n",
                      name_of(c.training.mixed_precision_param),
-                     name_of(c.training.mixed_precision_reduce));
+                     name_of(c.training.mixed_precision_reduce), c.parallelism.overlap);
   for (int64_t w : {1, 8, 64, 512})
-    out += fmt::format("  {:>5} {:>12} {:>12}\n", w,
-                       bytes_text(state_bytes_per_rank(s, c.training, ParallelMode::kDdp, w)),
-                       bytes_text(state_bytes_per_rank(s, c.training, ParallelMode::kSharded, w)));
-  out += fmt::format("activations per rank at local batch {} x seq {}: {} (checked with the state "
-                     "against the memory available before anything is allocated)\n",
+    out += fmt::format("  {:>5} {:>12} {:>12} {:>12}\n", w,
+                       bytes_text(state_bytes_per_rank(s, c, ParallelMode::kDdp, w)),
+                       bytes_text(state_bytes_per_rank(s, c, ParallelMode::kSharded, w)),
+                       bytes_text(state_bytes_per_rank(s, c, ParallelMode::kFsdp, w)));
+  Config none = c, full = c;
+  none.activation_checkpoint.mode = ActivationCheckpoint::kNone;
+  full.activation_checkpoint.mode = ActivationCheckpoint::kFull;
+  out += fmt::format("activations per rank at local batch {} x seq {}: {} without recomputation, "
+                     "{} with activation_checkpoint.mode = \"full\" (this config: {})\n",
                      c.training.local_batch_size, c.training.seq_len,
+                     bytes_text(activation_bytes_per_rank(s, none)),
+                     bytes_text(activation_bytes_per_rank(s, full)),
                      bytes_text(activation_bytes_per_rank(s, c)));
+  out += "per-rank total (state + activations + runtime), without / with full recomputation:\n"
+         "  ranks                 ddp                 sharded                    fsdp\n";
+  for (int64_t w : {8, 64}) {
+    out += fmt::format("  {:>5}", w);
+    for (ParallelMode m : {ParallelMode::kDdp, ParallelMode::kSharded, ParallelMode::kFsdp}) {
+      none.parallelism.mode = full.parallelism.mode = m;
+      out += fmt::format(" {:>11} / {:>9}", bytes_text(memory_plan(none, w).total()),
+                         bytes_text(memory_plan(full, w).total()));
+    }
+    out += "\n";
+  }
+  out += "checked against the memory available before anything is allocated\n";
   return out;
 }
 

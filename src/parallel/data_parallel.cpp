@@ -4,10 +4,12 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/GradMode.h>
 
+#include "checkpoint/safetensors.h"
+
 namespace lockstep {
 
 DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
-                           const DataParallelOptions& o)
+                           const DataParallelOptions& o, bool flat_gradients)
     : comm_(comm), param_dtype_(o.param_dtype), reduce_dtype_(o.reduce_dtype), params_(params) {
   world_ = comm_ ? comm_->size() : 1;
   rank_ = comm_ ? comm_->rank() : 0;
@@ -15,6 +17,7 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
   block_ = (total_ + world_ - 1) / world_;
   shard_offset_ = std::min<int64_t>(total_, rank_ * block_);
   shard_length_ = std::min<int64_t>(block_, total_ - shard_offset_);
+  if (!flat_gradients) return;
 
   const auto options = params.at(0).tensor.options().requires_grad(false);
   flat_grad_ = at::zeros({world_ * block_}, options.dtype(param_dtype_));
@@ -86,6 +89,8 @@ std::vector<int> DataParallel::params_in(int64_t lo, int64_t hi) const {
   return out;
 }
 
+uint32_t DataParallel::parameters_crc32() { return tensors_crc32_value(params_); }
+
 void DataParallel::replicate_parameters() {
   if (!comm_) return;
   for (const auto& t : params_) {
@@ -99,6 +104,7 @@ std::unique_ptr<DataParallel> make_data_parallel(const std::vector<NamedTensor>&
   switch (options.mode) {
     case ParallelMode::kDdp: return make_ddp(params, comm, options);
     case ParallelMode::kSharded: return make_sharded(params, comm, options);
+    case ParallelMode::kFsdp: return make_fsdp(params, comm, options);
   }
   throw std::invalid_argument("unknown parallelism.mode");
 }

@@ -1,4 +1,4 @@
-// Data parallelism: one interface, one implementation per mode (ddp.cpp, sharded.cpp), each
+// Data parallelism: one interface, one implementation per mode (ddp.cpp, sharded.cpp, fsdp.cpp), each
 // owning its gradient sync, the range its gradient check [B] reads, its optimizer, the update
 // (and gather), and what it saves in and reads from a checkpoint.
 //
@@ -17,7 +17,9 @@
 //           and only rank r keeps fp32 master weights and AdamW moments for it. After the
 //           update the blocks are all-gathered into every rank's parameters, which are views
 //           into one flat parameter buffer. Optimizer memory is 1/W of ddp's.
-// Either way, after every step the parameters are bitwise identical on all ranks.
+//  fsdp     (ZeRO-3, fsdp.cpp) the parameters are sharded too, unit by unit (the model's
+//           units: embeddings, blocks, head), and gathered only while a unit computes.
+// In ddp and sharded, after every step the parameters are bitwise identical on all ranks.
 //
 // Both sync in buckets (overlap.h). Overlap (parallelism.overlap): the collective of a bucket
 // starts during the last micro-batch's backward, as soon as autograd has finished its
@@ -37,6 +39,7 @@
 #include "comm/comm.h"
 #include "lockstep/config.h"
 #include "optim/adamw.h"
+#include "model/units.h"
 #include "parallel/overlap.h"
 #include "tensors.h"
 
@@ -52,6 +55,9 @@ struct DataParallelOptions {
   AdamWOptions adamw;
   at::ScalarType param_dtype = at::kFloat;   // P: forward, backward, the gradient buffer
   at::ScalarType reduce_dtype = at::kFloat;  // R: the reduction and check [B]
+  bool prefetch = true;     // fsdp: gather the next unit while this one computes
+  bool local_check = true;  // fsdp with overlap: check [A] each unit before it is sent
+  Units* units = nullptr;   // fsdp: the model's units (it hooks into them)
 };
 
 class DataParallel {
@@ -82,9 +88,14 @@ class DataParallel {
   }
 
   // Overlap: the next backward is the last before the sync (its hooks start the buckets).
-  void begin_last_backward() {
+  virtual void begin_last_backward() {
     if (buckets_ && buckets_->overlapped()) buckets_->arm();
   }
+  // The mode checks [A] itself (fsdp with overlap: each unit before its gradient goes, the
+  // only time this rank's whole gradient of the unit exists); local_stats() then gives the
+  // stats after backward, laid out as one check over grads() would.
+  virtual bool checks_local() const { return false; }
+  virtual at::Tensor local_stats() { return {}; }
   // The gradient sync's buckets (null with one rank, and in sharded mode without overlap).
   const GradientBuckets* buckets() const { return buckets_.get(); }
 
@@ -92,7 +103,9 @@ class DataParallel {
   virtual void apply(double lr, const UpdateControl& control) = 0;
   // The optimizer over this rank's part (per-tensor policies act on it before apply).
   virtual AdamW& optimizer() = 0;
-  void zero_grad() { flat_grad_.zero_(); }
+  void zero_grad() {
+    if (flat_grad_.defined()) flat_grad_.zero_();
+  }
   // The buffer every .grad is a view of (a replay saves and restores it).
   const at::Tensor& gradient_buffer() const { return flat_grad_; }
 
@@ -105,24 +118,30 @@ class DataParallel {
   // Reads this rank's weights and moments from any checkpoint (any world size, either mode);
   // replicate_parameters() then spreads them.
   virtual void load(CheckpointReader& reader) = 0;
-  // The optimizer state every rank holds a replica of (ddp: all; sharded: none).
+  // The optimizer state every rank holds a replica of (ddp: all; sharded, fsdp: none), and the
+  // parameters (ddp, sharded: all; fsdp: none) — what diagnostics.verify_every compares.
   virtual std::vector<NamedTensor> replicated_optimizer_state() const = 0;
+  virtual std::vector<NamedTensor> replicated_parameters() const { return params_; }
+  // The CRC32 of the parameters as the model computes with them (fsdp: a collective).
+  virtual uint32_t parameters_crc32();
 
   // This rank's block within the unpadded flat space: its gradient check [B] reads it.
   int64_t shard_offset() const { return shard_offset_; }
   int64_t shard_length() const { return shard_length_; }
   int64_t total() const { return total_; }
   // The gradients, views into the flat buffer, in model order and named like the parameters
-  // (dtype P; check [A] reads them before the sync).
+  // (dtype P; check [A] reads them before the sync). fsdp with overlap keeps no such buffer:
+  // there these are the parameters, for their names and shapes only.
   const std::vector<NamedTensor>& grads() const { return grads_; }
   // The same positions of the buffer the reduction leaves its result in (dtype R; check [B]
   // reads this rank's range of it after the sync). grads() itself when R = P.
   const std::vector<NamedTensor>& synced_grads() const { return synced_; }
 
  protected:
-  // Lays out the flat gradient buffers (W x block, padded) and points every .grad into one.
+  // Lays out the flat gradient buffers (W x block, padded) and points every .grad into one;
+  // with flat_gradients = false the mode lays out its own (fsdp).
   DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
-               const DataParallelOptions& options);
+               const DataParallelOptions& options, bool flat_gradients = true);
 
   // Named views of a flat buffer laid out like the parameters (model order).
   std::vector<NamedTensor> views_of(const at::Tensor& flat) const;
@@ -154,10 +173,12 @@ class DataParallel {
 std::unique_ptr<DataParallel> make_data_parallel(const std::vector<NamedTensor>& params,
                                                  Comm* comm, const DataParallelOptions& options);
 
-// The two modes (ddp.cpp, sharded.cpp); make_data_parallel picks one.
+// The modes (ddp.cpp, sharded.cpp, fsdp.cpp); make_data_parallel picks one.
 std::unique_ptr<DataParallel> make_ddp(const std::vector<NamedTensor>& params, Comm* comm,
                                        const DataParallelOptions& options);
 std::unique_ptr<DataParallel> make_sharded(const std::vector<NamedTensor>& params, Comm* comm,
                                            const DataParallelOptions& options);
+std::unique_ptr<DataParallel> make_fsdp(const std::vector<NamedTensor>& params, Comm* comm,
+                                        const DataParallelOptions& options);
 
 }  // namespace lockstep

@@ -8,19 +8,32 @@
 
 namespace lockstep {
 
+namespace {
+
 // Runs after autograd's AccumulateGrad of one parameter: its .grad holds this backward's share.
-struct GradientBuckets::Hook final : torch::autograd::FunctionPostHook {
-  Hook(GradientBuckets* owner, int param) : owner_(owner), param_(param) {}
+struct AccumulatedHook final : torch::autograd::FunctionPostHook {
+  explicit AccumulatedHook(std::function<void()> ready) : ready_(std::move(ready)) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list&) override {
-    owner_->ready(param_);
+    ready_();
     return outputs;
   }
 
  private:
-  GradientBuckets* owner_;
-  int param_;
+  std::function<void()> ready_;
 };
+
+}  // namespace
+
+std::function<void()> on_gradient_accumulated(const at::Tensor& param, const std::string& name,
+                                              std::function<void()> ready) {
+  // Held by the returned function: the parameter itself only keeps a weak reference to it.
+  auto acc = torch::autograd::impl::grad_accumulator(param);
+  if (!acc)
+    throw std::invalid_argument(name + " has no gradient accumulator (not a leaf requiring grad)");
+  const uintptr_t key = acc->add_post_hook(std::make_unique<AccumulatedHook>(std::move(ready)));
+  return [acc, key] { acc->del_post_hook(key); };
+}
 
 GradientBuckets::GradientBuckets(const std::vector<NamedTensor>& params,
                                  std::vector<std::vector<int>> needs, Start start, bool overlap)
@@ -35,13 +48,8 @@ GradientBuckets::GradientBuckets(const std::vector<NamedTensor>& params,
   for (size_t b = 0; b < needs_.size(); ++b) pending_[b] = static_cast<int>(needs_[b].size());
   for (size_t i = 0; i < params.size() && overlap; ++i) {
     if (buckets_of_[i].empty()) continue;
-    // Held here: the parameter itself only keeps a weak reference to its accumulator.
-    auto acc = torch::autograd::impl::grad_accumulator(params[i].tensor);
-    if (!acc)
-      throw std::invalid_argument("GradientBuckets: " + params[i].name +
-                                  " has no gradient accumulator (not a leaf requiring grad)");
-    const uintptr_t key = acc->add_post_hook(std::make_unique<Hook>(this, static_cast<int>(i)));
-    unhook_.emplace_back([acc, key] { acc->del_post_hook(key); });
+    unhook_.push_back(on_gradient_accumulated(params[i].tensor, "GradientBuckets: " + params[i].name,
+                                              [this, i] { ready(static_cast<int>(i)); }));
   }
 }
 

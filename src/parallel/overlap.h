@@ -11,12 +11,20 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "comm/comm.h"
 #include "tensors.h"
 
 namespace lockstep {
+
+// Calls `ready` each time autograd's AccumulateGrad of `param` (a leaf requiring grad, in its
+// final storage: a later set_data to another dtype or device drops the accumulator) has added a
+// backward's share into its .grad. Returns the function that removes the hook. Throws
+// std::invalid_argument naming `name` for a tensor without a gradient accumulator.
+std::function<void()> on_gradient_accumulated(const at::Tensor& param, const std::string& name,
+                                              std::function<void()> ready);
 
 class GradientBuckets {
  public:
@@ -46,7 +54,6 @@ class GradientBuckets {
   bool overlapped() const { return !unhook_.empty(); }
 
  private:
-  struct Hook;
   void ready(int param);
   void start_ready();  // with mu_ held: every bucket in order whose gradients are all final
 

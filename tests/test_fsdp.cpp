@@ -1,0 +1,257 @@
+// fsdp (ZeRO-3), activation recomputation and the memory plan: fsdp on 2, 3 and 4 ranks against
+// sharded and one rank on the same global batch, checkpoints across modes and world sizes, a
+// skipped step that changes nothing; recomputation's gradients against none, bit for bit. (A
+// dropped rank's salvage in fsdp: test_cause.cpp; a killed or stalled rank: test_kill.cpp.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/model_size.h"
+#include "run_util.h"
+#include "test_util.h"
+
+using namespace lockstep;
+using json = nlohmann::json;
+using test::CliRun;
+using test::Launcher;
+using test::read_text;
+
+namespace {
+
+// `lockstep train` on a small Llama (2 blocks: 4 units); the global batch is 12 sequences.
+std::string llama_args(const std::string& dir, int steps, int world, const std::string& extra) {
+  return "train --job.dump_folder " + dir + " --training.steps " + std::to_string(steps) +
+         " --model.name llama --model.dim 32 --model.n_heads 4 --model.n_kv_heads 2"
+         " --model.n_layers 2 --model.multiple_of 32 --model.max_seq_len 32"
+         " --training.seq_len 32 --training.threads 1 --metrics.log_freq 1"
+         " --lr_scheduler.warmup_steps 3 --training.local_batch_size " +
+         std::to_string(12 / world) + " " + extra;
+}
+
+CliRun run(int world, const std::string& args) {
+  return world == 1 ? test::run_lockstep(args)
+                    : test::run_on_ranks(world, args, Launcher::kLockstepRun);
+}
+
+// The same training up to fp32 summation order: every step's loss and gradient norm. The
+// ranks sum the same 12 sequences' gradients in another grouping (W partial sums of 12 / W,
+// then the reduction), a few ulps of fp32 per element; after 8 AdamW steps at these learning
+// rates the losses stay within 1e-4 and the norms within 1e-4 relative (measured: about 1e-6).
+void expect_same_run(const test::RunOutcome& got, const test::RunOutcome& want,
+                     const std::string& what, size_t from = 0) {
+  ASSERT_EQ(got.losses.size() + from, want.losses.size()) << what;
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], want.losses[from + i], 1e-4) << what << ", step " << from + i + 1;
+    EXPECT_NEAR(got.grad_norms[i], want.grad_norms[from + i], 1e-4 * want.grad_norms[from + i])
+        << what << ", grad_norm of step " << from + i + 1;
+  }
+}
+
+void expect_same_crcs(const test::RunOutcome& o, const std::string& what) {
+  for (const auto& crc : o.crcs) {
+    EXPECT_EQ(crc.size(), 8u) << what;
+    EXPECT_EQ(crc, o.crcs[0]) << what << ": the gathered parameters differ between ranks";
+  }
+}
+
+void seed_checkpoint(const std::string& from, int step, const std::string& to) {
+  std::filesystem::create_directories(to + "/checkpoint");
+  std::filesystem::copy(from + "/checkpoint/step-" + std::to_string(step),
+                        to + "/checkpoint/step-" + std::to_string(step),
+                        std::filesystem::copy_options::recursive);
+}
+
+const std::string kOff = " --checkpoint.enable false";
+
+}  // namespace
+
+TEST(Fsdp, MatchesShardedAndOneRankOnTheSameGlobalBatch) {
+  test::TempDir dir;
+  ASSERT_EQ(run(1, llama_args(dir / "one", 8, 1, kOff)).code, 0);
+  const auto one = test::outcome(dir / "one", 1);
+  for (int world : {2, 3, 4}) {
+    SCOPED_TRACE(world);
+    const std::string w = std::to_string(world);
+    CliRun sh = run(world, llama_args(dir / ("sh" + w), 8, world, kOff + " --parallelism.mode sharded"));
+    ASSERT_EQ(sh.code, 0) << sh.out;
+    for (const char* overlap : {"false", "true"}) {
+      const std::string name = "fsdp" + w + overlap;
+      CliRun f = run(world, llama_args(dir / name, 8, world,
+                                       kOff + " --parallelism.mode fsdp --parallelism.overlap " +
+                                           overlap));
+      ASSERT_EQ(f.code, 0) << f.out;
+      EXPECT_NE(f.out.find("fsdp (ZeRO-3: this rank owns"), std::string::npos) << f.out;
+      const auto o = test::outcome(dir / name, world);
+      expect_same_run(o, one, name);
+      expect_same_crcs(o, name);
+      // On 2 ranks every element's sum is a + b in both modes: the same losses and weights as
+      // sharded, bit for bit (no step here clips: the norms stay below training.max_norm). On 3
+      // and 4, Gloo's reduce-scatter adds an element's W terms in an order that depends on where
+      // the element lies in the rank blocks, which differ between the modes: only within the
+      // tolerance above (checked against one rank). The norm is summed
+      // by the check in fp32 runs cut along each rank's shard (a block of each unit here, one
+      // block of the whole model there): equal within fp32 rounding, 1e-6, not in every bit.
+      const auto s = test::outcome(dir / ("sh" + w), world);
+      expect_same_run(s, one, "sharded" + w);
+      if (world != 2) continue;
+      EXPECT_EQ(o.losses, s.losses) << name << " against sharded";
+      EXPECT_EQ(o.crcs, s.crcs) << name << " against sharded";
+      for (size_t i = 0; i < o.grad_norms.size(); ++i)
+        EXPECT_NEAR(o.grad_norms[i], s.grad_norms[i], 1e-6 * s.grad_norms[i]) << name;
+    }
+  }
+}
+
+TEST(Fsdp, CheckpointsResumeInEveryModeAndAtAnyWorldSize) {
+  test::TempDir dir;
+  const std::string ck = " --checkpoint.interval 4 --checkpoint.keep_latest_k 0";
+  CliRun full = run(2, llama_args(dir / "full", 8, 2, ck + " --parallelism.mode fsdp"));
+  ASSERT_EQ(full.code, 0) << full.out;
+  const auto uninterrupted = test::outcome(dir / "full", 2);
+  const json meta = json::parse(read_text(dir / "full/checkpoint/step-4/meta.json"));
+  EXPECT_EQ(meta["mode"], "fsdp");
+  ASSERT_EQ(meta["optimizer_shards"].size(), 8u) << "a piece per unit and rank";
+  EXPECT_EQ(meta["optimizer_shards"][1]["suffix"], ".0");
+  EXPECT_EQ(meta["optimizer_shards"][1]["rank"], 1);
+
+  struct Resume {
+    const char* name;
+    int world;
+    const char* mode;
+  };
+  for (const Resume& r : {Resume{"same", 2, "fsdp"}, Resume{"as_sharded", 2, "sharded"},
+                          Resume{"as_ddp", 2, "ddp"}, Resume{"three", 3, "fsdp"},
+                          Resume{"one", 1, "fsdp"}, Resume{"four", 4, "fsdp"}}) {
+    SCOPED_TRACE(r.name);
+    const std::string to = dir / r.name;
+    seed_checkpoint(dir / "full", 4, to);
+    CliRun c = run(r.world, llama_args(to, 8, r.world, ck + " --parallelism.mode " + r.mode));
+    ASSERT_EQ(c.code, 0) << c.out;
+    EXPECT_NE(c.out.find("resumed from"), std::string::npos) << c.out;
+    const auto o = test::outcome(to, r.world);
+    ASSERT_EQ(o.losses.size(), 4u);
+    if (r.world == 2)  // the same sums: the same bits as the run that did not stop
+      EXPECT_EQ(o.losses, std::vector<double>(uninterrupted.losses.begin() + 4,
+                                              uninterrupted.losses.end()));
+    else
+      expect_same_run(o, uninterrupted, r.name, 4);
+    expect_same_crcs(o, r.name);
+  }
+  // And a sharded checkpoint into fsdp at another world size.
+  CliRun sh = run(2, llama_args(dir / "sh", 4, 2, ck + " --parallelism.mode sharded"));
+  ASSERT_EQ(sh.code, 0) << sh.out;
+  seed_checkpoint(dir / "sh", 4, dir / "sh_to_fsdp3");
+  CliRun c = run(3, llama_args(dir / "sh_to_fsdp3", 8, 3, ck + " --parallelism.mode fsdp"));
+  ASSERT_EQ(c.code, 0) << c.out;
+  expect_same_run(test::outcome(dir / "sh_to_fsdp3", 3), uninterrupted, "sharded to fsdp", 4);
+}
+
+// A NaN gradient on rank 1 at step 3: every rank skips step 3, and the checkpoint after it holds
+// the bits of the one before (weights, every rank's moments, step counts).
+TEST(Fsdp, ASkippedStepChangesNothing) {
+  test::TempDir dir;
+  const std::string args = " --parallelism.mode fsdp --checkpoint.interval 1"
+                           " --checkpoint.keep_latest_k 0 --skip.enabled true"
+                           " --fault.inject nan_grad@3:1";
+  CliRun r = run(2, llama_args(dir / "run", 4, 2, args));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(test::decisions(dir / "run", 0), test::decisions(dir / "run", 1));
+  const json m3 = json::parse(read_text(dir / "run/checkpoint/step-3/meta.json"));
+  EXPECT_EQ(m3["skipped_steps"], 1);
+  for (const char* f : {"model.safetensors", "optimizer-rank0.safetensors",
+                        "optimizer-rank1.safetensors"}) {
+    const std::string before = read_text(dir / "run/checkpoint/step-2/" + f);
+    const std::string after = read_text(dir / "run/checkpoint/step-3/" + f);
+    EXPECT_EQ(before == after, true) << f << " changed on a skipped step";
+  }
+}
+
+// Recomputing blocks in backward gives the same gradients as keeping their activations, bit for
+// bit, dropout masks included: the same losses, norms and final weights, in every mode.
+TEST(ActivationCheckpoint, GradientsEqualNoRecomputationBitForBit) {
+  test::TempDir dir;
+  const std::string base = kOff + " --model.dropout 0.1 --model.n_layers 3";
+  struct Case {
+    const char* name;
+    int world;
+    const char* args;
+  };
+  std::map<std::string, test::RunOutcome> got;
+  for (const Case& c : {Case{"none1", 1, ""}, Case{"full1", 1, "--activation_checkpoint.mode full"},
+                        Case{"sel1", 1, "--activation_checkpoint.mode selective"},
+                        Case{"none_fsdp", 2, "--parallelism.mode fsdp"},
+                        Case{"full_fsdp", 2, "--parallelism.mode fsdp --activation_checkpoint.mode full"},
+                        Case{"none_ddp", 2, "--parallelism.overlap true"},
+                        Case{"sel_ddp", 2, "--parallelism.overlap true --activation_checkpoint.mode "
+                                           "selective --activation_checkpoint.selective_ac_option 3"}}) {
+    CliRun r = run(c.world, llama_args(dir / c.name, 5, c.world, base + " " + c.args));
+    ASSERT_EQ(r.code, 0) << c.name << "\n" << r.out;
+    if (std::string(c.name).starts_with("full"))
+      EXPECT_NE(r.out.find("activation checkpointing (full): blocks [0, 1, 2] of 3 recompute"),
+                std::string::npos) << r.out;
+    if (std::string(c.name) == "sel_ddp")
+      EXPECT_NE(r.out.find("activation checkpointing (selective): blocks [2] of 3"),
+                std::string::npos) << r.out;
+    got[c.name] = test::outcome(dir / c.name, c.world);
+  }
+  for (const auto& [with, without] : {std::pair{"full1", "none1"}, std::pair{"sel1", "none1"},
+                                      std::pair{"full_fsdp", "none_fsdp"},
+                                      std::pair{"sel_ddp", "none_ddp"}}) {
+    SCOPED_TRACE(with);
+    EXPECT_EQ(got[with].losses, got[without].losses);
+    EXPECT_EQ(got[with].grad_norms, got[without].grad_norms);
+    EXPECT_EQ(got[with].crcs, got[without].crcs);
+  }
+}
+
+TEST(Fsdp, WhatItCannotDoIsRefusedNamingTheKey) {
+  test::TempDir dir;
+  struct Bad {
+    const char* args;
+    const char* says;
+  };
+  for (const Bad& b :
+       {Bad{"--skip.enabled true --skip.replay self", "invalid value for 'skip.replay'"},
+        Bad{"--fault.inject desync@2:0", "invalid value for 'fault.inject': desync"}}) {
+    CliRun r = test::run_lockstep(llama_args(dir / "x", 2, 1, kOff + " --parallelism.mode fsdp " + b.args));
+    EXPECT_EQ(r.code, 2) << b.args << "\n" << r.out;
+    EXPECT_NE(r.out.find(b.says), std::string::npos) << r.out;
+  }
+  CliRun gpt = test::run_lockstep("train --job.dump_folder " + dir / "gpt" +
+                                  " --model.name gpt --parallelism.mode fsdp");
+  EXPECT_EQ(gpt.code, 2) << gpt.out;
+  EXPECT_NE(gpt.out.find("invalid value for 'parallelism.mode': \"fsdp\" shards llama's"),
+            std::string::npos)
+      << gpt.out;
+}
+
+// The plans of the shipped large configs: the 8B (fsdp, overlap, full recomputation) fits 8 GPUs
+// of 80 GB at seq 8192, the 70B 64 of them; neither fits in sharded mode or without
+// recomputation, so the plan is what makes the difference, not a loose bound.
+TEST(MemoryPlan, TheLlama3ConfigsFitOnTheirGpusOnlyWithFsdpAndRecomputation) {
+  constexpr double kGpu = 80e9;
+  for (const auto& [file, world] : {std::pair{"llama3_8b.toml", 8}, std::pair{"llama3_70b.toml", 64}}) {
+    SCOPED_TRACE(file);
+    Config c = load_config_file(std::string(LOCKSTEP_SOURCE_DIR "/configs/") + file);
+    ASSERT_EQ(c.parallelism.mode, ParallelMode::kFsdp);
+    ASSERT_EQ(c.training.seq_len, 8192);
+    const MemoryPlan plan = memory_plan(c, world);
+    std::printf("%s on %d ranks: %.1f GB (state %.1f, activations %.1f)\n", file, world,
+                plan.total() / 1e9, plan.state / 1e9, plan.activations / 1e9);
+    EXPECT_LT(plan.total(), kGpu);
+    Config sharded = c, kept = c;
+    sharded.parallelism.mode = ParallelMode::kSharded;
+    kept.activation_checkpoint.mode = ActivationCheckpoint::kNone;
+    EXPECT_GT(memory_plan(sharded, world).total(), kGpu);
+    EXPECT_GT(memory_plan(kept, world).total(), kGpu);
+  }
+  // config check prints the modes with and without recomputation.
+  CliRun r = test::run_lockstep("config check " LOCKSTEP_SOURCE_DIR "/configs/llama3_8b.toml");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("without / with full recomputation"), std::string::npos) << r.out;
+}
