@@ -77,6 +77,11 @@ void forward_backward(Job& job, RankStep& s, int64_t step) {
   run_batch(job, step, job.ranks.rank, 0, ids, s);
 }
 
+void bystand(Job& job) {
+  for (int64_t m = 0; m < job.config.training.gradient_accumulation_steps; ++m)
+    job.dp->bystand_computation();
+}
+
 void check_local(Job& job, RankStep& s) {
   s.local_checked = job.config.diagnostics.local_check;
   if (job.local_check) s.local_stats = job.local_check->run().clone();  // its buffer is reused

@@ -20,6 +20,10 @@ void forward_backward(Job& job, RankStep& s, int64_t step);
 // diagnostics.local_check).
 void check_local(Job& job, RankStep& s);
 
+// While another rank recomputes a batch (a replay, the probe): the collectives of its
+// computation, micro-batch by micro-batch (fsdp's gathers; nothing in the other modes).
+void bystand(Job& job);
+
 // Reads what `s` holds on the device into its host fields (loss, sample losses, the checks'
 // stats), each once: a host sync on a GPU, so only the triage, replays and anomalous steps call
 // it.

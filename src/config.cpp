@@ -931,8 +931,7 @@ void validate_overlap(const Config& c) {
 }
 
 // fsdp's units are llama's (the embeddings, each transformer block, the final norm with the
-// head), and each forward gathers parameters with every rank: nothing may recompute a batch on
-// one rank alone, and no parameter is replicated for a desync to diverge.
+// head), and no parameter is replicated for a desync to diverge.
 void validate_fsdp(const Config& c) {
   if (c.parallelism.mode != ParallelMode::kFsdp) return;
   if (c.model.name != ModelName::kLlama)
@@ -940,15 +939,6 @@ void validate_fsdp(const Config& c) {
         "invalid value for 'parallelism.mode': \"fsdp\" shards llama's units, and model.name = "
         "\"gpt\" ties its head to its embedding across them; use model.name = \"llama\" or "
         "parallelism.mode = \"sharded\"");
-  std::string why;
-  if (c.skip.replay != Replay::kOff) why = "skip.replay";
-  if (c.diagnostics.replay_every > 0) why = "diagnostics.replay_every";
-  if (!why.empty())
-    throw ConfigError(fmt::format(
-        "invalid value for '{}': it recomputes a batch on one rank, and parallelism.mode = "
-        "\"fsdp\" gathers each unit's parameters with every rank; turn it off or use "
-        "parallelism.mode = \"sharded\"",
-        why));
   for (const auto& f : parse_fault_inject(c.fault.inject))
     if (f.kind == FaultKind::kDesync)
       throw ConfigError("invalid value for 'fault.inject': desync diverges a replica of the "

@@ -1,5 +1,7 @@
 #include "job.h"
 
+#include "compute.h"
+
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
@@ -262,6 +264,7 @@ std::unique_ptr<Job> build_job(const Config& config) {
   // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
   j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),
                                         j.ranks.rank, j.device.is_cuda() ? 1e-4 : 0.0);
+  j.triager->set_bystander([&j] { bystand(j); });
   j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
                                             j.dp->grads(), hostname(), j.device.str());
   j.schedule = schedule_of(c);

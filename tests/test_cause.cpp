@@ -233,8 +233,8 @@ namespace {
 
 // Every fault kind on `world` ranks under skip.replay = `replay`: the cause each event names,
 // identical on every rank.
-void expect_causes(int world, const std::string& replay) {
-  SCOPED_TRACE("replay " + replay + " on " + std::to_string(world) + " ranks");
+void expect_causes(int world, const std::string& replay, const std::string& extra = "") {
+  SCOPED_TRACE("replay " + replay + " on " + std::to_string(world) + " ranks" + extra);
   test::TempDir dir;
   const int last = world - 1;
   const std::string faults = fmt::format(
@@ -242,7 +242,8 @@ void expect_causes(int world, const std::string& replay) {
       "sticky_flip@18:{0}, spike@20:0",
       last);
   auto r = run_ranks(world, dir.path(), 22,
-                     "--skip.replay " + replay + kSmallWindow + " --fault.inject '" + faults + "'");
+                     "--skip.replay " + replay + kSmallWindow + " --fault.inject '" + faults + "'" +
+                         extra);
   ASSERT_EQ(r.code, 0) << r.out;
   const std::string sticky = replay == "peer" ? "hardware" : "data";  // self cannot tell
   const std::vector<std::tuple<int, int, std::string, std::string>> expected = {
@@ -289,6 +290,12 @@ TEST(CauseRun, ReplayClassifiesEveryFaultKindOnThreeRanks) {
 TEST(CauseRun, ReplayClassifiesEveryFaultKindOnFourRanks) {
   expect_causes(4, "self");
   expect_causes(4, "peer");
+}
+// fsdp: a replay's forward gathers parameters with every rank, the ranks that do not recompute
+// run the same gathers (3 ranks, peer: the culprit and its peer recompute, the third stands by).
+TEST(CauseRun, ReplayClassifiesEveryFaultKindInFsdp) {
+  expect_causes(3, "peer", " --parallelism.mode fsdp --model.name llama");
+  expect_causes(2, "self", " --parallelism.mode fsdp --model.name llama");
 }
 
 namespace {
@@ -350,11 +357,12 @@ TEST(CauseRun, SalvageEqualsARunWithoutTheRanksBatchFsdp) {
 
 // A silent corruption (the lowest mantissa bit of one gradient element) passes every norm
 // test; the probe's recomputation on the neighbour sees it, skips the step and names the rank.
-TEST(CauseRun, TheProbeFindsASilentCorruptionNoNormTestSees) {
+void expect_probe_finds_silent_corruption(const std::string& extra) {
+  SCOPED_TRACE(extra);
   test::TempDir dir;
   auto r = run_ranks(2, dir.path(), 16,
                      "--diagnostics.replay_every 5 --fault.inject 'silent_flip@10:1, "
-                     "silent_flip@12:1'");
+                     "silent_flip@12:1'" + extra);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto events = read_jsonl(dir / "diagnostics/rank1.jsonl");
   ASSERT_EQ(events.size(), 1u) << "step 12 has no probe: nothing can see it";
@@ -372,6 +380,14 @@ TEST(CauseRun, TheProbeFindsASilentCorruptionNoNormTestSees) {
             std::string::npos)
       << d.out;
   EXPECT_NE(d.out.find("rank 0's replay differed"), std::string::npos) << d.out;
+}
+
+TEST(CauseRun, TheProbeFindsASilentCorruptionNoNormTestSees) {
+  expect_probe_finds_silent_corruption("");
+}
+// fsdp: the prober's recomputation gathers with the other rank standing by.
+TEST(CauseRun, TheProbeFindsASilentCorruptionInFsdp) {
+  expect_probe_finds_silent_corruption(" --parallelism.mode fsdp --model.name llama");
 }
 
 TEST(CauseRun, AHardwareFaultAbortsWithItsOwnExitCodeWhenAsked) {

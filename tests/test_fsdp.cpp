@@ -216,8 +216,9 @@ TEST(Fsdp, WhatItCannotDoIsRefusedNamingTheKey) {
     const char* says;
   };
   for (const Bad& b :
-       {Bad{"--skip.enabled true --skip.replay self", "invalid value for 'skip.replay'"},
-        Bad{"--fault.inject desync@2:0", "invalid value for 'fault.inject': desync"}}) {
+       {Bad{"--fault.inject desync@2:0", "invalid value for 'fault.inject': desync"},
+        Bad{"--parallelism.overlap true --skip.enabled true --skip.replay self",
+            "invalid value for 'parallelism.overlap'"}}) {
     CliRun r = test::run_lockstep(llama_args(dir / "x", 2, 1, kOff + " --parallelism.mode fsdp " + b.args));
     EXPECT_EQ(r.code, 2) << b.args << "\n" << r.out;
     EXPECT_NE(r.out.find(b.says), std::string::npos) << r.out;

@@ -97,6 +97,7 @@ Triage Triager::before_sync(const SkipDetector& detector, const TriageInput& in,
       const auto replay_start = Clock::now();
       if (rank_ == c) put(mine, 2 * k, recompute(c, samples.ids[c], /*keep=*/true));
       if (rank_ == p) put(mine, 2 * k + 1, recompute(c, samples.ids[c], /*keep=*/false));
+      if (rank_ != c && rank_ != p && bystand_) bystand_();
       costs.replay += seconds_since(replay_start);
     }
     const auto all = all_gather_values(comm_, mine);
@@ -146,6 +147,7 @@ void Triager::probe(int64_t step, const std::vector<RankStats>& table, const Tri
   std::vector<double> mine(kSlot, 0.0);
   const auto start = Clock::now();
   if (rank_ == prober) put(mine, 0, recompute(target, samples.ids[target], /*keep=*/false));
+  else if (bystand_) bystand_();
   costs.replay += seconds_since(start);
   const auto all = all_gather_values(comm_, mine);
   ReplayNumbers n;

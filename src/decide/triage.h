@@ -51,6 +51,10 @@ class Triager {
   // bit for bit; GPU kernels may reduce in another order).
   Triager(const SkipConfig& skip, int64_t replay_every, Comm* comm, int rank, double tolerance);
 
+  // What a rank runs while others recompute a batch and it does not: the collectives of their
+  // computation (fsdp gathers each unit's parameters with every rank). Nothing by default.
+  void set_bystander(std::function<void()> bystand) { bystand_ = std::move(bystand); }
+
   // Whether the pre-sync exchange runs every step.
   bool active() const { return active_; }
   // Whether step `step` (1-based) reads this rank's numbers on the host: the pre-sync exchange
@@ -72,6 +76,7 @@ class Triager {
 
  private:
   bool same(const ReplayNumbers& a, const RankStats& first) const;
+  std::function<void()> bystand_;
 
   SkipConfig cfg_;
   int64_t replay_every_;

@@ -95,6 +95,9 @@ class DataParallel {
   // only time this rank's whole gradient of the unit exists); local_stats() then gives the
   // stats after backward, laid out as one check over grads() would.
   virtual bool checks_local() const { return false; }
+  // The collectives of one forward and backward that another rank computes (fsdp: its
+  // gathers, in the same order); nothing in ddp and sharded.
+  virtual void bystand_computation() {}
   virtual at::Tensor local_stats() { return {}; }
   // The gradient sync's buckets (null with one rank, and in sharded mode without overlap).
   const GradientBuckets* buckets() const { return buckets_.get(); }

@@ -127,6 +127,17 @@ class Fsdp final : public DataParallel, public UnitHooks {
   }
 
   bool checks_local() const override { return overlap_; }
+  // The gathers of a forward and a backward, as the hooks issue them, with nothing computed.
+  void bystand_computation() override {
+    const int n = static_cast<int>(units_.size());
+    const c10::AutoGradMode grad(true);  // a training forward: the head is kept for backward
+    for (int u = 0; u < n; ++u) before_forward(u), after_forward(u);
+    for (int u = n - 1; u >= 0; --u) {
+      gathered(u);
+      if (prefetch_ && u > 0) start_gather(u - 1);
+      release(u);
+    }
+  }
   at::Tensor local_stats() override {
     std::vector<at::Tensor> headers, tensors;
     for (Unit& x : units_) {
