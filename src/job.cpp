@@ -93,27 +93,45 @@ void open_data(Job& j) {
     log::info("data: {} sample ids excluded by {}", j.excluded.size(), exclusion_origin(d, false));
 }
 
-// checkpoint.initial_load_path: a fresh run starts from a Hugging Face folder's weights (read
-// into the model before the data-parallel mode takes its copies); a resume of the run's own
-// checkpoint does not read it.
-void load_initial_weights(Job& j) {
+// checkpoint.initial_load_path: a fresh run starts from a Hugging Face folder's weights, read
+// into the model before the data-parallel mode takes its copies (fsdp: into each unit as the
+// model is drawn, before it is sharded); a resume of the run's own checkpoint does not read it.
+// Returns the folder to read ("" for none), checked against the run's [model].
+std::string initial_weights(const Job& j) {
   const Config& c = j.config;
   const std::string& path = c.checkpoint.initial_load_path;
-  if (path.empty()) return;
-  if (c.checkpoint.enable && j.checkpointer->step_to_load(c.checkpoint.load_step) > 0) return;
+  if (path.empty()) return "";
+  if (c.checkpoint.enable && j.checkpointer->step_to_load(c.checkpoint.load_step) > 0) return "";
   check_same_model(c.model, model_config_from_hf(path), path);
+  return path;
+}
+
+// The model: drawn whole, or (fsdp) unit by unit into this rank's shards, never whole; then the
+// sink holds the shards for the data-parallel mode.
+std::unique_ptr<UnitSink> draw_model(Job& j) {
+  const Config& c = j.config;
+  const std::string hf = initial_weights(j);
   const auto start = Clock::now();
-  load_hf_weights(path, c.model, j.model->parameters());
-  log::info("initial weights: {} ({} tensors read in {:.1f} s); the optimizer starts fresh",
-            path, j.model->parameters().size(), seconds_since(start));
+  std::unique_ptr<UnitSink> sink;
+  if (c.parallelism.mode == ParallelMode::kFsdp) {
+    std::function<void(const std::vector<NamedTensor>&)> fill;
+    if (!hf.empty())
+      fill = [&](const std::vector<NamedTensor>& unit) { load_hf_weights(hf, c.model, unit, false); };
+    sink = make_fsdp_sink(j.comm.get(), j.device, dtype_of(c.training.mixed_precision_param), fill);
+  }
+  j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device, sink.get());
+  if (!hf.empty() && !sink) load_hf_weights(hf, c.model, j.model->parameters());
+  if (!hf.empty())
+    log::info("initial weights: {} ({} tensors read in {:.1f} s); the optimizer starts fresh",
+              hf, j.model->parameters().size(), seconds_since(start));
+  return sink;
 }
 
 // The model, data parallelism over its parameters (with the optimizer), and the checks:
 // [B] reads the 1/W block of the synced gradient this rank owns, [A] this rank's own gradient.
 void build_model(Job& j) {
   const Config& c = j.config;
-  j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device);
-  load_initial_weights(j);
+  const std::unique_ptr<UnitSink> sink = draw_model(j);
   // activation_checkpoint: units 1 to n_layers are the blocks (the embeddings, head never)
   std::vector<bool> recompute = recomputed_blocks(c.activation_checkpoint, c.model.n_layers);
   recompute.insert(recompute.begin(), false);
@@ -123,7 +141,7 @@ void build_model(Job& j) {
       {c.parallelism.mode, static_cast<int64_t>(c.parallelism.bucket_mb * 1048576.0),
        c.parallelism.overlap, adamw_options(c.optimizer),
        dtype_of(c.training.mixed_precision_param), dtype_of(c.training.mixed_precision_reduce),
-       c.parallelism.prefetch, c.diagnostics.local_check, &j.model->units()});
+       c.parallelism.prefetch, c.diagnostics.local_check, &j.model->units(), sink.get()});
   j.shard_check = std::make_unique<GradCheck>(j.dp->synced_grads(), j.dp->shard_offset(),
                                               j.dp->shard_length());
   // [B] per bucket: each bucket's (ddp) or slice's (sharded) blocks are checked as it lands,
@@ -375,7 +393,7 @@ void resume(Job& j) {
     j.dp->replicate_parameters();
   }
   const double setup_peak = peak_resident_mib();
-  return_free_memory();  // building the model whole before sharding it is not the run's peak
+  return_free_memory();  // what setup freed (the units drawn on the CPU) is not the run's
   log::info("resident memory after setup {:.0f} MiB (peak {:.0f} MiB; the run's own peak counts "
             "from here)",
             resident_mib(), setup_peak);

@@ -146,3 +146,29 @@ TEST(Import, RefusesAnotherArchitectureAnotherModelAndAShapeThatDiffers) {
         << e.what();
   }
 }
+
+// fsdp reads the folder into each unit as the model is drawn, before sharding it (the model is
+// never whole on a rank): the run is the sharded one's from the same folder, bit for bit.
+TEST(Import, FsdpStartsFromTheFolderUnitByUnit) {
+  TempDir dir;
+  make_hf(dir.path(), "llama");
+  const std::string cfg = dir / "finetune.toml";
+  const auto printed = test::run_lockstep("import " + (dir / "model"));
+  ASSERT_EQ(printed.code, 0) << printed.out;
+  std::ofstream(cfg) << printed.out;
+  const std::string common = " --config " + cfg + " --training.steps 3 --training.seq_len 16 "
+                             "--training.local_batch_size 2 --training.threads 1 "
+                             "--metrics.log_freq 1 --checkpoint.enable false ";
+  std::map<std::string, test::RunOutcome> got;
+  for (const char* mode : {"sharded", "fsdp"}) {
+    const auto r = test::run_on_ranks(2, "train --job.dump_folder " + (dir / mode) + common +
+                                             "--parallelism.mode " + mode,
+                                      test::Launcher::kLockstepRun);
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("initial weights: "), std::string::npos) << r.out;
+    got[mode] = test::outcome(dir / mode, 2);
+  }
+  ASSERT_EQ(got["fsdp"].losses.size(), 3u);
+  EXPECT_EQ(got["fsdp"].losses, got["sharded"].losses);
+  EXPECT_EQ(got["fsdp"].crcs, got["sharded"].crcs);
+}

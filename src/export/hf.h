@@ -45,8 +45,9 @@ void check_same_model(const ModelConfig& run, const ModelConfig& hf, const std::
 // Fills `params` (lockstep's names and layouts, model order) from the folder's safetensors
 // (model.safetensors, or the shards of model.safetensors.index.json), any float dtype read as
 // fp32, the layouts of to_hf undone exactly. InputError naming the tensor for a missing one, a
-// shape that differs, or a tensor the model has no place for.
+// shape that differs, or (`whole`: params are all of the model) a tensor the model has no place
+// for.
 void load_hf_weights(const std::string& hf_dir, const ModelConfig& model,
-                     const std::vector<NamedTensor>& params);
+                     const std::vector<NamedTensor>& params, bool whole = true);
 
 }  // namespace lockstep

@@ -219,7 +219,7 @@ void check_same_model(const ModelConfig& run, const ModelConfig& hf, const std::
 }
 
 void load_hf_weights(const std::string& hf_dir, const ModelConfig& model,
-                     const std::vector<NamedTensor>& params) {
+                     const std::vector<NamedTensor>& params, bool whole) {
   const HfTensors t = open_tensors(hf_dir);
   const ModelSize size = model_size(model);
   std::set<std::string> used;
@@ -242,6 +242,7 @@ void load_hf_weights(const std::string& hf_dir, const ModelConfig& model,
     p.tensor.detach().copy_(x);
   }
   for (const auto& [name, view] : t.views) {
+    if (!whole) break;
     const bool known = used.contains(name) || name == "lm_head.weight" ||
                        name.ends_with(".attn.bias") ||
                        name.ends_with(".attn.masked_bias");  // GPT-2's tied head, old buffers

@@ -15,7 +15,8 @@
 
 namespace lockstep {
 
-Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device) : Model(config) {
+Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device, UnitSink* sink)
+    : Model(config, sink) {
   const int64_t C = cfg_.dim, V = cfg_.vocab_size, L = cfg_.n_layers;
   const int64_t H = cfg_.mlp_ratio * C;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);

@@ -7,7 +7,7 @@ namespace lockstep {
 
 class Gpt final : public Model {
  public:
-  Gpt(const ModelConfig& config, uint64_t seed, c10::Device device);
+  Gpt(const ModelConfig& config, uint64_t seed, c10::Device device, UnitSink* sink = nullptr);
   at::Tensor forward(const at::Tensor& idx, bool train) const override;
 
  private:

@@ -36,7 +36,8 @@ at::Tensor trunc_normal(std::vector<int64_t> shape, double std, double lo, doubl
 
 }  // namespace
 
-Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device) : Model(config) {
+Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device, UnitSink* sink)
+    : Model(config, sink) {
   const int64_t C = cfg_.dim, V = cfg_.vocab_size;
   const int64_t nh = cfg_.n_heads, nkv = size_.kv_heads, hd = size_.head_dim;
   const int64_t H = size_.ffn_hidden;

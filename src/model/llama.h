@@ -11,7 +11,7 @@ namespace lockstep {
 
 class Llama final : public Model {
  public:
-  Llama(const ModelConfig& config, uint64_t seed, c10::Device device);
+  Llama(const ModelConfig& config, uint64_t seed, c10::Device device, UnitSink* sink = nullptr);
   at::Tensor forward(const at::Tensor& idx, bool train) const override;
 
  private:

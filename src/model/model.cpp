@@ -16,7 +16,7 @@
 namespace lockstep {
 
 at::Tensor Model::add(const std::string& name, at::Tensor t, c10::Device device) {
-  t = t.to(device);
+  if (!sink_) t = t.to(device);
   t.set_requires_grad(true);
   params_.push_back({name, t});
   return t;
@@ -26,8 +26,13 @@ void Model::end_unit() {
   int first = 0;
   for (int u = 0; u < units_.size(); ++u) first += static_cast<int>(units_.params(u).size());
   std::vector<int> unit;
-  for (int i = first; i < static_cast<int>(params_.size()); ++i) unit.push_back(i);
+  std::vector<NamedTensor> params;
+  for (int i = first; i < static_cast<int>(params_.size()); ++i) {
+    unit.push_back(i);
+    params.push_back(params_[i]);
+  }
   units_.add(std::move(unit));
+  if (sink_) sink_->take(units_.size() - 1, params);
 }
 
 int64_t Model::num_parameters() const {
@@ -36,9 +41,10 @@ int64_t Model::num_parameters() const {
   return n;
 }
 
-std::unique_ptr<Model> make_model(const ModelConfig& config, uint64_t seed, c10::Device device) {
-  if (config.name == ModelName::kLlama) return std::make_unique<Llama>(config, seed, device);
-  return std::make_unique<Gpt>(config, seed, device);
+std::unique_ptr<Model> make_model(const ModelConfig& config, uint64_t seed, c10::Device device,
+                                  UnitSink* sink) {
+  if (config.name == ModelName::kLlama) return std::make_unique<Llama>(config, seed, device, sink);
+  return std::make_unique<Gpt>(config, seed, device, sink);
 }
 
 at::Tensor sample_losses(const at::Tensor& logits, const at::Tensor& targets) {

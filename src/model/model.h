@@ -16,9 +16,19 @@
 
 namespace lockstep {
 
+// Takes each unit of a model as its constructor draws it (fsdp: keeps this rank's shard and lets
+// the unit's memory go), so that the model never exists whole. The parameters come on the CPU
+// in fp32; the sink moves them where they go.
+class UnitSink {
+ public:
+  virtual ~UnitSink() = default;
+  virtual void take(int unit, const std::vector<NamedTensor>& params) = 0;
+};
+
 class Model {
  public:
-  explicit Model(const ModelConfig& config) : cfg_(config), size_(model_size(config)) {}
+  explicit Model(const ModelConfig& config, UnitSink* sink = nullptr)
+      : cfg_(config), size_(model_size(config)), sink_(sink) {}
   virtual ~Model() = default;
 
   // idx (B, T) int64 -> logits (B, T, V). `train` enables dropout.
@@ -37,21 +47,25 @@ class Model {
   double flops_per_token(int64_t seq_len) const { return size_.flops_per_token(seq_len); }
 
  protected:
-  // Registers a parameter (moved to `device`, requiring grad) and returns it.
+  // Registers a parameter (moved to `device`, requiring grad; with a sink it stays on the CPU
+  // for the sink) and returns it.
   at::Tensor add(const std::string& name, at::Tensor t, c10::Device device);
 
-  // The parameters registered since the last call, as the next unit (in forward order).
+  // The parameters registered since the last call, as the next unit (in forward order), handed
+  // to the sink if there is one.
   void end_unit();
 
   ModelConfig cfg_;
   ModelSize size_;
   std::vector<NamedTensor> params_;
   Units units_;
+  UnitSink* sink_ = nullptr;
 };
 
 // The model model.name names, its weights drawn on the CPU from `seed` (so every device and
-// rank starts from the same bits), then moved to `device`.
-std::unique_ptr<Model> make_model(const ModelConfig& config, uint64_t seed, c10::Device device);
+// rank starts from the same bits), then moved to `device`, or unit by unit to `sink`.
+std::unique_ptr<Model> make_model(const ModelConfig& config, uint64_t seed, c10::Device device,
+                                  UnitSink* sink = nullptr);
 
 // (B) mean cross-entropy of each sequence of logits (B, T, V) against targets (B, T), in fp32
 // whatever the logits' dtype (a 16-bit softmax over the vocabulary loses the small

@@ -39,6 +39,7 @@
 #include "comm/comm.h"
 #include "lockstep/config.h"
 #include "optim/adamw.h"
+#include "model/model.h"
 #include "model/units.h"
 #include "parallel/overlap.h"
 #include "tensors.h"
@@ -58,6 +59,7 @@ struct DataParallelOptions {
   bool prefetch = true;     // fsdp: gather the next unit while this one computes
   bool local_check = true;  // fsdp with overlap: check [A] each unit before it is sent
   Units* units = nullptr;   // fsdp: the model's units (it hooks into them)
+  UnitSink* sink = nullptr;  // fsdp: what make_fsdp_sink built the model into
 };
 
 class DataParallel {
@@ -183,5 +185,10 @@ std::unique_ptr<DataParallel> make_sharded(const std::vector<NamedTensor>& param
                                            const DataParallelOptions& options);
 std::unique_ptr<DataParallel> make_fsdp(const std::vector<NamedTensor>& params, Comm* comm,
                                         const DataParallelOptions& options);
+// fsdp's sink for make_model: each unit's block kept on `device`, the rest let go as the model
+// is drawn, so no rank ever holds the whole model; `fill` (optional) writes initial weights
+// into a unit's parameters first.
+std::unique_ptr<UnitSink> make_fsdp_sink(Comm* comm, c10::Device device, at::ScalarType param_dtype,
+                                         std::function<void(const std::vector<NamedTensor>&)> fill);
 
 }  // namespace lockstep

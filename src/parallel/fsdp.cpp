@@ -56,6 +56,53 @@ void restore_storage(const at::Tensor& t) {
   s->set_nbytes(bytes);
 }
 
+// Takes each unit as the model draws it (on the CPU, fp32): the initial weights filled in if
+// any, this rank's block copied to the device, and the parameters turned into views of the
+// unit's buffer on the device, which holds no memory yet. The CPU copy goes with the next unit.
+class FsdpSink final : public UnitSink {
+ public:
+  struct Taken {
+    at::Tensor full;   // P on the device, W x block, no memory: the parameters view it
+    at::Tensor shard;  // fp32 on the device: this rank's block, without the padding
+  };
+  FsdpSink(int world, int rank, c10::Device device, at::ScalarType param_dtype,
+           std::function<void(const std::vector<NamedTensor>&)> fill)
+      : world_(world), rank_(rank), device_(device), dtype_(param_dtype), fill_(std::move(fill)) {}
+
+  void take(int unit, const std::vector<NamedTensor>& params) override {
+    if (unit != static_cast<int>(taken_.size())) throw std::logic_error("fsdp: units out of order");
+    if (fill_) fill_(params);
+    int64_t numel = 0;
+    for (const auto& p : params) numel += p.tensor.numel();
+    const int64_t block = (numel + world_ - 1) / world_;
+    const int64_t mine = rank_ * block, own = std::clamp<int64_t>(numel - mine, 0, block);
+    Taken t;
+    at::Tensor shard = at::empty({own}, at::kFloat);
+    t.full = at::empty({world_ * block}, at::TensorOptions().dtype(dtype_).device(device_));
+    const c10::AutoGradMode no_grad(false);
+    int64_t at_unit = 0;
+    for (const auto& p : params) {
+      const int64_t n = p.tensor.numel();
+      const int64_t lo = std::max(at_unit, mine), hi = std::min(at_unit + n, mine + own);
+      if (lo < hi)
+        shard.narrow(0, lo - mine, hi - lo).copy_(p.tensor.detach().view({-1}).narrow(0, lo - at_unit, hi - lo));
+      p.tensor.set_data(t.full.narrow(0, at_unit, n).view(p.tensor.sizes()));
+      at_unit += n;
+    }
+    release_storage(t.full);  // views made while it had memory (their bounds are checked)
+    t.shard = shard.to(device_);
+    taken_.push_back(std::move(t));
+  }
+  std::vector<Taken>& taken() { return taken_; }
+
+ private:
+  int world_, rank_;
+  c10::Device device_;
+  at::ScalarType dtype_;
+  std::function<void(const std::vector<NamedTensor>&)> fill_;
+  std::vector<Taken> taken_;
+};
+
 class Fsdp final : public DataParallel, public UnitHooks {
  public:
   Fsdp(const std::vector<NamedTensor>& params, Comm* comm, const DataParallelOptions& o)
@@ -63,7 +110,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
         overlap_(o.overlap && world_ > 1),
         prefetch_(o.prefetch),
         local_check_(o.local_check),
-        optimizer_(AdamW::over(build(*o.units), o.adamw)) {
+        optimizer_(AdamW::over(build(*o.units, o.sink), o.adamw)) {
     o.units->set_hooks(this);
     units_hooked_ = o.units;
     hook_accumulators();
@@ -183,7 +230,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
     bool sent = false;       // overlap: reduce-scatter started this step
   };
 
-  std::vector<AdamWParam> build(const Units& units);
+  std::vector<AdamWParam> build(const Units& units, UnitSink* sink);
   void lay_out(const Units& units);
   void hook_accumulators();
   void ready(int param);
@@ -258,9 +305,12 @@ void Fsdp::lay_out(const Units& units) {
   shard_length_ = checked;
 }
 
-// Buffers, parameters moved into their units (their fp32 values into the masters first), the
-// gradient views, the pieces check [B] reads, and the optimizer's pieces.
-std::vector<AdamWParam> Fsdp::build(const Units& units) {
+// Buffers, the masters from the blocks the sink kept (the parameters already view their units'
+// buffers), the gradient views, the pieces check [B] reads, and the optimizer's pieces.
+std::vector<AdamWParam> Fsdp::build(const Units& units, UnitSink* sink) {
+  auto* taken = dynamic_cast<FsdpSink*>(sink);
+  if (!taken || taken->taken().size() != static_cast<size_t>(units.size()))
+    throw std::invalid_argument("fsdp: build the model with make_fsdp_sink's sink");
   lay_out(units);
   const auto options = params_.at(0).tensor.options().requires_grad(false);
   const auto fp32 = options.dtype(at::kFloat);
@@ -279,8 +329,11 @@ std::vector<AdamWParam> Fsdp::build(const Units& units) {
   const at::Tensor opt_grads = opt_grad_.defined() ? opt_grad_ : grad_shard_;
   std::vector<AdamWParam> out;
   const c10::AutoGradMode no_grad(false);
-  for (Unit& x : units_) {
-    x.full = at::zeros({world_ * x.block}, options.dtype(param_dtype_));
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& x = units_[u];
+    x.full = taken->taken()[u].full;
+    master_.narrow(0, x.shard_at, x.own).copy_(taken->taken()[u].shard);
+    taken->taken()[u].shard = at::Tensor();
     const int64_t mine = rank_ * x.block;  // this rank's block within the unit
     int64_t at_unit = 0;
     for (int p : x.params) {
@@ -289,11 +342,6 @@ std::vector<AdamWParam> Fsdp::build(const Units& units) {
       const int64_t lo = std::max(at_unit, mine), hi = std::min(at_unit + n, mine + x.own);
       const int64_t piece = std::max<int64_t>(0, hi - lo);
       const int64_t in_shard = x.shard_at + (piece > 0 ? lo - mine : 0);
-      if (piece > 0)
-        master_.narrow(0, in_shard, piece).copy_(t.detach().view({-1}).narrow(0, lo - at_unit, piece));
-      at::Tensor view = x.full.narrow(0, at_unit, n).view(t.sizes());
-      view.copy_(t.detach());
-      t.set_data(view);  // the parameter lives in its unit's buffer now
       if (!overlap_) {
         const at::Tensor g = flat_grad_.narrow(0, x.start + at_unit, n).view(t.sizes());
         t.mutable_grad() = g;
@@ -308,7 +356,6 @@ std::vector<AdamWParam> Fsdp::build(const Units& units) {
                        exp_avg_sq_.narrow(0, in_shard, piece), t.dim() >= 2});
       at_unit += n;
     }
-    release_storage(x.full);
   }
   refresh_param_shard();
   return out;
@@ -510,6 +557,12 @@ uint32_t Fsdp::parameters_crc32() {
 }
 
 }  // namespace
+
+std::unique_ptr<UnitSink> make_fsdp_sink(Comm* comm, c10::Device device, at::ScalarType param_dtype,
+                                         std::function<void(const std::vector<NamedTensor>&)> fill) {
+  return std::make_unique<FsdpSink>(comm ? comm->size() : 1, comm ? comm->rank() : 0, device,
+                                    param_dtype, std::move(fill));
+}
 
 std::unique_ptr<DataParallel> make_fsdp(const std::vector<NamedTensor>& params, Comm* comm,
                                         const DataParallelOptions& options) {
