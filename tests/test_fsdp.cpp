@@ -107,6 +107,32 @@ TEST(Fsdp, MatchesShardedAndOneRankOnTheSameGlobalBatch) {
   }
 }
 
+// On 2 ranks in every precision (the gathers in bf16 or fp16, the reduction in fp32 or bf16, fp16
+// with its dynamic loss scale) and with gradient accumulation: sharded's bits, with and without
+// overlap.
+TEST(Fsdp, EqualsShardedInEveryPrecisionAndWithAccumulation) {
+  test::TempDir dir;
+  for (const char* args : {"--training.mixed_precision_param bfloat16",
+                           "--training.mixed_precision_param bfloat16 "
+                           "--training.mixed_precision_reduce bfloat16",
+                           "--training.mixed_precision_param float16 --training.loss_scale dynamic",
+                           "--training.gradient_accumulation_steps 3"}) {
+    SCOPED_TRACE(args);
+    std::map<std::string, test::RunOutcome> got;
+    for (const char* mode : {"sharded", "fsdp --parallelism.overlap false",
+                             "fsdp --parallelism.overlap true"}) {
+      const std::string run_dir = dir / std::to_string(got.size());
+      CliRun r = run(2, llama_args(run_dir, 5, 2, kOff + " " + args + " --parallelism.mode " + mode));
+      ASSERT_EQ(r.code, 0) << r.out;
+      got[mode] = test::outcome(run_dir, 2);
+    }
+    for (const auto& [mode, o] : got) {
+      EXPECT_EQ(o.losses, got["sharded"].losses) << mode;
+      EXPECT_EQ(o.crcs, got["sharded"].crcs) << mode;
+    }
+  }
+}
+
 TEST(Fsdp, CheckpointsResumeInEveryModeAndAtAnyWorldSize) {
   test::TempDir dir;
   const std::string ck = " --checkpoint.interval 4 --checkpoint.keep_latest_k 0";
