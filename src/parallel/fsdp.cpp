@@ -170,7 +170,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
     if (!overlap_) return;
     armed_ = true;
     next_send_ = static_cast<int>(units_.size()) - 1;
-    for (Unit& x : units_) x.sent = false, x.local_stats = at::Tensor();
+    for (Unit& x : units_) x.local_stats = at::Tensor();
   }
 
   bool checks_local() const override { return overlap_; }
@@ -227,7 +227,6 @@ class Fsdp final : public DataParallel, public UnitHooks {
     at::Tensor grad;         // overlap: this step's unsharded gradient (P, W x block)
     at::Tensor local_stats;  // overlap: check [A] of `grad`, taken before it was sent
     int pending = 0;         // gradients of this backward not accumulated yet
-    bool sent = false;       // overlap: reduce-scatter started this step
   };
 
   std::vector<AdamWParam> build(const Units& units, UnitSink* sink);
@@ -441,7 +440,6 @@ void Fsdp::send_ready() {
       x.local_stats = GradCheck(std::move(views)).run().clone();
     }
     reduce_scatter(next_send_, x.grad);
-    x.sent = true;
     --next_send_;
     if (in_flight_.size() > 2) land_oldest(world_);
   }
