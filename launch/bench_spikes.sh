@@ -13,6 +13,9 @@
 #
 #   launch/bench_spikes.sh [--smoke]     # --smoke: 1 seed, 60 steps, faults on 5 % (ctest runs it)
 #
+# More seeds: LOCKSTEP_BENCH_FIRST_SEED=4 LOCKSTEP_BENCH_SEEDS=9 runs seeds 4 to 9 beside the runs
+# already in the work folder; the table counts every seed whose run is there.
+#
 # Loss spike: a taken step whose training loss exceeds 1.3 x the median of the 20 steps before
 # it; grad-norm spike: one whose gradient norm exceeds 10 x theirs; steps with an injected fault
 # left out. Policies (all with AdamW, lr 3e-2, cosine decay):
@@ -32,7 +35,8 @@ bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
 smoke=0
 [[ "${1:-}" == "--smoke" ]] && smoke=1
 steps=$((smoke ? 60 : 600))
-seeds=$((smoke ? 1 : 3))
+seeds="${LOCKSTEP_BENCH_SEEDS:-$((smoke ? 1 : 3))}"
+first_seed="${LOCKSTEP_BENCH_FIRST_SEED:-1}"
 fault_p=$([[ $smoke == 1 ]] && echo 0.05 || echo 0.01)  # the smoke's 60 steps still meet faults
 work="${LOCKSTEP_BENCH_DIR:-$root/build/bench-spikes}"
 mkdir -p "$work/runs"
@@ -70,13 +74,13 @@ for p in olmo_skip lockstep adagc; do policy[$p+reset]="${policy[$p]} --skip.spi
 order=(none max_norm olmo_skip olmo_skip+reset lockstep lockstep+reset zclip adagc adagc+reset)
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "job: Llama dim 64 x 2 layers (byte vocabulary), 16 x 64 tokens a step, $steps steps, 1 rank x 1 thread, $seeds seed(s); corpus $(wc -c <"$work/kjv.txt") bytes of the King James Bible"
+echo "job: Llama dim 64 x 2 layers (byte vocabulary), 16 x 64 tokens a step, $steps steps, 1 rank x 1 thread, seeds $first_seed to $seeds; corpus $(wc -c <"$work/kjv.txt") bytes of the King James Bible"
 read -r -a conditions <<<"${LOCKSTEP_BENCH_CONDITIONS:-clean bad spiky unstable}"
 unstable=(--training.mixed_precision_param bfloat16 --lr_scheduler.warmup_steps 0
           --lr_scheduler.decay_type constant --optimizer.beta2 0.999 --optimizer.weight_decay 0)
 for cond in "${conditions[@]}"; do
   for name in "${order[@]}"; do
-    for ((seed = 1; seed <= seeds; ++seed)); do
+    for ((seed = first_seed; seed <= seeds; ++seed)); do
       run="$work/runs/$cond-$name-$seed"
       rm -rf "$run"
       faults=()
@@ -124,7 +128,8 @@ for cond in ("clean", "bad", "spiky", "unstable"):
         continue
     for name in order:
         done, spk, gspk, skip, clip, tclip, reset, val, tps = 0, [], [], [], [], [], [], [], []
-        for seed in range(1, seeds + 1):
+        ran = [s for s in range(1, seeds + 1) if os.path.exists(f"{work}/runs/{cond}-{name}-{s}.exit")]
+        for seed in ran:
             run = f"{work}/runs/{cond}-{name}-{seed}"
             faulty = {json.loads(l)["step"] for l in open(f"{work}/faults-{cond}-{seed}.jsonl")}
             recs = records(run)
@@ -143,7 +148,7 @@ for cond in ("clean", "bad", "spiky", "unstable"):
                 tps.append(statistics.mean(r["tokens_per_s"] for r in steps))
         mean = lambda x: statistics.mean(x) if x else float("nan")
         spread = f" ± {statistics.pstdev(val):.3f}" if len(val) > 1 else ""
-        print(f"| {cond} | {name} | {done} of {seeds} | {mean(spk):.1f} | {mean(gspk):.1f} | "
+        print(f"| {cond} | {name} | {done} of {len(ran)} | {mean(spk):.1f} | {mean(gspk):.1f} | "
               f"{mean(skip):.1f} | "
               f"{mean(clip):.1f} | {mean(tclip):.1f} | {mean(reset):.1f} | "
               f"{mean(val):.3f}{spread} | {mean(tps):.0f} |")
