@@ -116,7 +116,9 @@ std::unique_ptr<UnitSink> draw_model(Job& j) {
   if (c.parallelism.mode == ParallelMode::kFsdp) {
     std::function<void(const std::vector<NamedTensor>&)> fill;
     if (!hf.empty())
-      fill = [&](const std::vector<NamedTensor>& unit) { load_hf_weights(hf, c.model, unit, false); };
+      fill = [hf, model = c.model](const std::vector<NamedTensor>& unit) {
+        load_hf_weights(hf, model, unit, /*whole=*/false);
+      };
     sink = make_fsdp_sink(j.comm.get(), j.device, dtype_of(c.training.mixed_precision_param), fill);
   }
   j.model = make_model(c.model, static_cast<uint64_t>(c.training.seed), j.device, sink.get());
