@@ -312,6 +312,11 @@ TEST(Quarantine, OnlySampleLevelEvidenceQuarantines) {
   e = judge_samples(v, t, 6.0);
   EXPECT_EQ(e.quarantine, (std::vector<int64_t>{21, 23}));
   EXPECT_TRUE(e.suspect.empty());
+  // Three finite losses close together: their deviation says nothing; an ordinary sample 3 %
+  // above its batch-mates is not quarantined with the NaN one (it was, on llama's batches).
+  t.losses[1] = {kNaN, 5.8075, 5.8218, 5.9781};
+  e = judge_samples(v, t, 6.0);
+  EXPECT_EQ(e.quarantine, (std::vector<int64_t>{20}));
   // Without a replay (cause unknown) a batch with no outlier names nobody.
   t.losses[1] = {2.0, 2.05, 1.95, 2.02};
   v.cause = "";

@@ -51,7 +51,10 @@ std::vector<Event::Replay> replays_of(const Verdict& v) {
   return out;
 }
 
-// The samples of one batch whose own loss stands out: nonfinite, or a robust z above `z`.
+// The samples of one batch whose own loss stands out: nonfinite, or a robust z above `z`. The
+// spread is the median absolute deviation, at least 2 % of the median loss: with few finite
+// losses (3 of a batch of 4) the deviation is the smaller of two gaps and may be arbitrarily
+// small, which would put an ordinary sample 3 % above its batch-mates in quarantine.
 std::vector<size_t> outlying_samples(const std::vector<double>& losses, double z) {
   std::vector<double> finite;
   for (double l : losses)
@@ -63,7 +66,7 @@ std::vector<size_t> outlying_samples(const std::vector<double>& losses, double z
   const double m = median(finite);
   std::vector<double> dev;
   for (double l : finite) dev.push_back(std::abs(l - m));
-  const double spread = std::max(1.4826 * median(dev), 1e-3 * std::abs(m));
+  const double spread = std::max(1.4826 * median(dev), 0.02 * std::abs(m));
   std::vector<size_t> out;
   for (size_t i = 0; i < losses.size(); ++i)
     if (!std::isfinite(losses[i]) || (finite.size() >= 3 && losses[i] > m + z * spread))
