@@ -36,6 +36,17 @@ void make_hf(const std::string& dir, const std::string& kind) {
                        << ": run launch/setup.sh)";
 }
 
+// A random llama folder in dir/model and what `lockstep import` prints for it, in
+// dir/finetune.toml (returned).
+std::string imported_llama(const TempDir& dir) {
+  make_hf(dir.path(), "llama");
+  const std::string cfg = dir / "finetune.toml";
+  const auto printed = test::run_lockstep("import " + (dir / "model"));
+  EXPECT_EQ(printed.code, 0) << printed.out;
+  std::ofstream(cfg) << printed.out;
+  return cfg;
+}
+
 at::Tensor tensor_of(const TensorView& v) {
   return at::from_blob(const_cast<char*>(v.data), v.shape, v.dtype).clone();
 }
@@ -86,11 +97,7 @@ TEST(Import, ShardedLlamaGivesTransformersLogitsAndRoundTripsBitwise) {
 // checkpoint a resume reads the checkpoint, not the folder (here: deleted).
 TEST(Import, ARunStartsFromTheFolderAndAResumeDoesNotReadIt) {
   TempDir dir;
-  make_hf(dir.path(), "llama");
-  const std::string cfg = dir / "finetune.toml";
-  const auto printed = test::run_lockstep("import " + (dir / "model"));
-  ASSERT_EQ(printed.code, 0) << printed.out;
-  std::ofstream(cfg) << printed.out;
+  const std::string cfg = imported_llama(dir);
   const std::string common = " --config " + cfg + " --training.steps 4 --training.seq_len 16 "
                              "--training.local_batch_size 2 --training.threads 1 "
                              "--metrics.log_freq 1 --checkpoint.interval 4 ";
@@ -151,11 +158,7 @@ TEST(Import, RefusesAnotherArchitectureAnotherModelAndAShapeThatDiffers) {
 // never whole on a rank): the run is the sharded one's from the same folder, bit for bit.
 TEST(Import, FsdpStartsFromTheFolderUnitByUnit) {
   TempDir dir;
-  make_hf(dir.path(), "llama");
-  const std::string cfg = dir / "finetune.toml";
-  const auto printed = test::run_lockstep("import " + (dir / "model"));
-  ASSERT_EQ(printed.code, 0) << printed.out;
-  std::ofstream(cfg) << printed.out;
+  const std::string cfg = imported_llama(dir);
   const std::string common = " --config " + cfg + " --training.steps 3 --training.seq_len 16 "
                              "--training.local_batch_size 2 --training.threads 1 "
                              "--metrics.log_freq 1 --checkpoint.enable false ";
