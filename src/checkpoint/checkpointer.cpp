@@ -179,10 +179,7 @@ void Checkpointer::write_parts(const std::string& tmp, const WeightSource& weigh
   attempt(error, [&] {
     // A shard names its own ranges in its header, so a reader can tell a swapped file.
     std::map<std::string, std::string> range;
-    std::string ranges;
-    for (const auto& [o, l] : optimizer.file_ranges())
-      ranges += (ranges.empty() ? "" : ",") + shard_range_text(o, l);
-    if (flat) range = {{"lockstep_ranges", ranges}};
+    if (flat) range = {{"lockstep_ranges", shard_ranges_text(optimizer.ranges)}};
     SafetensorsWriter file(tmp + "/" + (flat ? shard_file(rank) : "optimizer.safetensors"),
                            to_write(optimizer.tensors), range);
     for (const auto& t : optimizer.tensors) file.append(t.tensor);
@@ -248,9 +245,8 @@ std::string Checkpointer::save(const TrainState& state, const WeightSource& weig
   std::map<std::string, uint32_t> model_crc, optim_crc;
   write_parts(tmp, weights, optimizer, rank, model_crc, optim_crc, error);
   // [ok, ranges..., (offset, length) of each, the CRC32 of each tensor]: as long on every rank
-  const auto ranges = optimizer.file_ranges();
-  std::vector<double> report = {ok(), static_cast<double>(ranges.size())};
-  for (const auto& [o, l] : ranges)
+  std::vector<double> report = {ok(), static_cast<double>(optimizer.ranges.size())};
+  for (const auto& [o, l] : optimizer.ranges)
     report.insert(report.end(), {static_cast<double>(o), static_cast<double>(l)});
   for (const auto& t : optimizer.tensors) report.push_back(static_cast<double>(optim_crc[t.name]));
   const auto reports = all_gather_values(comm, report);

@@ -37,18 +37,12 @@ struct WeightSource {
 };
 
 // What one rank saves of the optimizer: per parameter (rank 0), as this rank's flat shard
-// ("exp_avg", "exp_avg_sq" over [offset, offset + length) of the flat space, a 0-dim "step"),
+// ("exp_avg", "exp_avg_sq" over the one range of the flat space in `ranges`, a 0-dim "step"),
 // or as its block of each unit (fsdp: "exp_avg.<u>", "exp_avg_sq.<u>" over ranges[u]).
 struct OptimizerPart {
   OptimizerLayout layout = OptimizerLayout::kPerParameter;
   std::vector<NamedTensor> tensors;
-  int64_t offset = 0, length = 0;
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // kUnitShards: (offset, length) per unit
-  // The ranges this rank's file holds (one for a flat shard).
-  std::vector<std::pair<int64_t, int64_t>> file_ranges() const {
-    if (layout == OptimizerLayout::kFlatShards) return {{offset, length}};
-    return ranges;
-  }
+  std::vector<ShardRange> ranges;  // the shards' (offset, length) in the flat space
 };
 
 struct CheckpointOptions {

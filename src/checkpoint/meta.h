@@ -31,7 +31,7 @@ TrainState state_of(const nlohmann::json& meta);
 // One rank's part of a save, as it reports it to rank 0: its optimizer file's ranges (one for a
 // flat shard, one per unit for fsdp) and the CRC32 of each of its tensors (shards only).
 struct ShardReport {
-  std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, length)
+  std::vector<ShardRange> ranges;
   std::map<std::string, uint32_t> crcs;
 };
 

@@ -12,8 +12,11 @@
 
 namespace lockstep {
 
-std::string shard_range_text(int64_t offset, int64_t length) {
-  return fmt::format("{}+{}", offset, length);
+std::string shard_ranges_text(const std::vector<ShardRange>& ranges) {
+  std::string text;
+  for (const auto& [offset, length] : ranges)
+    text += fmt::format("{}{}+{}", text.empty() ? "" : ",", offset, length);
+  return text;
 }
 
 const char* mode_name(OptimizerLayout layout) {
@@ -109,15 +112,16 @@ const MappedSafetensors& CheckpointReader::open(const std::string& file) {
                                    f.path(), name, problem));
     f.release(v);
   }
-  // The ranges meta.json gives this file, as its header writes them ("offset+length,...").
-  std::string ranges;
+  // The ranges meta.json gives this file, as its header writes them.
+  std::vector<ShardRange> given;
   for (const auto& p : moments_.at("exp_avg"))
-    if (p.file == file) ranges += (ranges.empty() ? "" : ",") + shard_range_text(p.offset, p.length);
+    if (p.file == file) given.emplace_back(p.offset, p.length);
+  const std::string ranges = shard_ranges_text(given);
   const auto& m = f.metadata();
   const std::string own = m.count("lockstep_ranges") ? m.at("lockstep_ranges")
-                          : m.count("lockstep_offset")
-                              ? shard_range_text(std::stoll(m.at("lockstep_offset")),
-                                                 std::stoll(m.at("lockstep_length")))
+                          : m.count("lockstep_offset")  // written before fsdp
+                              ? shard_ranges_text({{std::stoll(m.at("lockstep_offset")),
+                                                    std::stoll(m.at("lockstep_length"))}})
                               : ranges;
   if (own != ranges)
     throw InputError(fmt::format(

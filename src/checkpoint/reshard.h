@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -29,8 +30,10 @@ enum class OptimizerLayout {
 };
 const char* mode_name(OptimizerLayout layout);  // what meta.json calls it
 OptimizerLayout layout_of(const nlohmann::json& meta);
-// A shard's range as its file's header names it: "offset+length".
-std::string shard_range_text(int64_t offset, int64_t length);
+// A range of the flat space, (offset, length).
+using ShardRange = std::pair<int64_t, int64_t>;
+// A shard file's ranges as its header names them: "offset+length,offset+length,...".
+std::string shard_ranges_text(const std::vector<ShardRange>& ranges);
 
 class CheckpointReader {
  public:

@@ -517,7 +517,7 @@ void Fsdp::gather_weights(int64_t lo, int64_t n, float* dst) {
 // space (empty where the rank's block is padding only), and one "step".
 OptimizerPart Fsdp::optimizer_part(int64_t optimizer_steps) {
   shard_steps_.fill_(static_cast<double>(optimizer_steps));
-  OptimizerPart part{OptimizerLayout::kUnitShards, {}, 0, owned_, {}};
+  OptimizerPart part{OptimizerLayout::kUnitShards, {}, {}};
   for (size_t u = 0; u < units_.size(); ++u) {
     const Unit& x = units_[u];
     part.ranges.emplace_back(x.offset + rank_ * x.block, x.own);

@@ -112,8 +112,7 @@ class Sharded final : public DataParallel {
     shard_steps_.fill_(static_cast<double>(optimizer_steps));
     return {OptimizerLayout::kFlatShards,
             {{"exp_avg", exp_avg_}, {"exp_avg_sq", exp_avg_sq_}, {"step", shard_steps_}},
-            shard_offset_,
-            shard_length_};
+            {{shard_offset_, shard_length_}}};
   }
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
 
