@@ -223,7 +223,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
     int64_t checked_at = 0;  // those elements' first position in the pieces check [B] reads
     at::Tensor full;         // P, W x block: the gathered parameters (no memory when freed)
     bool gathered = false;
-    std::vector<std::unique_ptr<CommWork>> gathering;  // an all-gather in flight
+    std::unique_ptr<CommWork> gathering;  // an all-gather in flight
     at::Tensor grad;         // overlap: this step's unsharded gradient (P, W x block)
     at::Tensor local_stats;  // overlap: check [A] of `grad`, taken before it was sent
     int pending = 0;         // gradients of this backward not accumulated yet
@@ -245,6 +245,9 @@ class Fsdp final : public DataParallel, public UnitHooks {
   }
 
   void allocate_gradient(Unit& x);
+  void drop_gradient(Unit& x);
+  // The unit's parameters' places in one of its W x block buffers, named and shaped like them.
+  std::vector<NamedTensor> views_in(const Unit& x, const at::Tensor& unit_flat) const;
   void send_ready();
   void reduce_scatter(int u, const at::Tensor& unit_grad);
   void land_oldest(int contributors);
@@ -263,7 +266,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
   at::Tensor opt_grad_;     // R != fp32: the mean in fp32 for AdamW
   at::Tensor exp_avg_, exp_avg_sq_;
   at::Tensor shard_steps_ = at::zeros({}, at::kFloat);
-  std::deque<std::pair<int, std::vector<std::unique_ptr<CommWork>>>> in_flight_;
+  std::deque<std::pair<int, std::unique_ptr<CommWork>>> in_flight_;  // reduce-scatters
   bool armed_ = false;  // overlap: this backward is the step's last (it sends the gradients)
   int next_send_ = -1;  // overlap: the next unit to reduce-scatter (units go last to first)
   Units* units_hooked_ = nullptr;
@@ -371,7 +374,7 @@ void Fsdp::hook_accumulators() {
 // Starts unit u's all-gather into its buffer (memory back first), unless it is there or coming.
 void Fsdp::start_gather(int u) {
   Unit& x = units_[u];
-  if (x.gathered || !x.gathering.empty()) return;
+  if (x.gathered || x.gathering) return;
   restore_storage(x.full);
   const at::Tensor source = (param_shard_.defined() ? param_shard_ : master_).narrow(0, x.shard_at, x.block);
   if (!comm_) {
@@ -380,22 +383,22 @@ void Fsdp::start_gather(int u) {
     return;
   }
   at::Tensor out = x.full;  // one flat call per unit: no staging copy of a list of views
-  x.gathering.push_back(comm_->all_gather_flat_async(source, out));
+  x.gathering = comm_->all_gather_flat_async(source, out);
 }
 
 // Unit u's parameters hold their values once this returns.
 void Fsdp::gathered(int u) {
   Unit& x = units_[u];
   start_gather(u);
-  for (auto& w : x.gathering) w->wait();
-  x.gathering.clear();
+  if (x.gathering) x.gathering->wait();
+  x.gathering.reset();
   x.gathered = true;
 }
 
 void Fsdp::release(int u) {
   Unit& x = units_[u];
-  for (auto& w : x.gathering) w->wait();  // a prefetch the forward did not use (an error)
-  x.gathering.clear();
+  if (x.gathering) x.gathering->wait();  // a prefetch the forward did not use (an error)
+  x.gathering.reset();
   if (!x.gathered) return;
   release_storage(x.full);
   x.gathered = false;
@@ -407,12 +410,27 @@ void Fsdp::release(int u) {
 void Fsdp::allocate_gradient(Unit& x) {
   x.grad = at::zeros({world_ * x.block}, x.full.options());
   const c10::AutoGradMode no_grad(false);
+  const std::vector<NamedTensor> views = views_in(x, x.grad);
+  for (size_t i = 0; i < x.params.size(); ++i)
+    params_[x.params[i]].tensor.mutable_grad() = views[i].tensor;
+}
+
+// Overlap: the parameters' .grad let go of the unit's unsharded gradient (x.grad, still sent
+// or staged, is the caller's).
+void Fsdp::drop_gradient(Unit& x) {
+  const c10::AutoGradMode no_grad(false);
+  for (int p : x.params) params_[p].tensor.mutable_grad() = at::Tensor();
+}
+
+std::vector<NamedTensor> Fsdp::views_in(const Unit& x, const at::Tensor& unit_flat) const {
+  std::vector<NamedTensor> out;
   int64_t at_unit = 0;
   for (int p : x.params) {
     const at::Tensor& t = params_[p].tensor;
-    t.mutable_grad() = x.grad.narrow(0, at_unit, t.numel()).view(t.sizes());
+    out.push_back({params_[p].name, unit_flat.narrow(0, at_unit, t.numel()).view(t.sizes())});
     at_unit += t.numel();
   }
+  return out;
 }
 
 // After one parameter's gradient accumulated: a unit whose gradients all have is freed, and in
@@ -429,16 +447,8 @@ void Fsdp::ready(int param) {
 void Fsdp::send_ready() {
   while (next_send_ >= 0 && units_[next_send_].pending <= 0) {
     Unit& x = units_[next_send_];
-    if (local_check_) {  // check [A] of this rank's own gradient of the unit, before it goes
-      std::vector<NamedTensor> views;
-      int64_t at_unit = 0;
-      for (int p : x.params) {
-        const int64_t n = params_[p].tensor.numel();
-        views.push_back({params_[p].name, x.grad.narrow(0, at_unit, n)});
-        at_unit += n;
-      }
-      x.local_stats = GradCheck(std::move(views)).run().clone();
-    }
+    // check [A] of this rank's own gradient of the unit, before it goes
+    if (local_check_) x.local_stats = GradCheck(views_in(x, x.grad)).run().clone();
     reduce_scatter(next_send_, x.grad);
     --next_send_;
     if (in_flight_.size() > 2) land_oldest(world_);
@@ -451,30 +461,28 @@ void Fsdp::reduce_scatter(int u, const at::Tensor& unit_grad) {
   Unit& x = units_[u];
   at::Tensor send = unit_grad;
   if (send.scalar_type() != reduce_dtype_) send = unit_grad.to(reduce_dtype_);
-  std::vector<std::unique_ptr<CommWork>> works;
+  std::unique_ptr<CommWork> work;
   at::Tensor out = grad_shard_.narrow(0, x.shard_at, x.block);
-  if (comm_) works.push_back(comm_->reduce_scatter_flat_async(send, out));
+  if (comm_) work = comm_->reduce_scatter_flat_async(send, out);
   else out.copy_(send);
   if (overlap_ && !send.is_same(unit_grad)) {  // only the staged copy stays until it lands
     x.grad = send;
-    const c10::AutoGradMode no_grad(false);
-    for (int p : x.params) params_[p].tensor.mutable_grad() = at::Tensor();
+    drop_gradient(x);
   }
-  in_flight_.emplace_back(u, std::move(works));
+  in_flight_.emplace_back(u, std::move(work));
 }
 
 // The oldest unit in flight lands: its mean, check [B] of it, its unsharded gradient freed.
 void Fsdp::land_oldest(int contributors) {
-  auto [u, works] = std::move(in_flight_.front());
+  auto [u, work] = std::move(in_flight_.front());
   in_flight_.pop_front();
-  for (auto& w : works) w->wait();
+  if (work) work->wait();
   Unit& x = units_[u];
   grad_shard_.narrow(0, x.shard_at, x.block).div_(static_cast<double>(contributors));
   if (landed_) landed_(x.checked_at, x.checked_at + x.own);
   if (!overlap_) return;
   x.grad = at::Tensor();
-  const c10::AutoGradMode no_grad(false);
-  for (int p : x.params) params_[p].tensor.mutable_grad() = at::Tensor();
+  drop_gradient(x);
 }
 
 // Overlap, after the last backward: the units not sent yet (a parameter without a gradient, or
@@ -546,9 +554,7 @@ uint32_t Fsdp::parameters_crc32() {
   uint32_t crc = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     gathered(static_cast<int>(u));
-    std::vector<NamedTensor> unit;
-    for (int p : units_[u].params) unit.push_back(params_[p]);
-    crc = tensors_crc32_value(unit, crc);
+    crc = tensors_crc32_value(views_in(units_[u], units_[u].full), crc);
     release(static_cast<int>(u));
   }
   return crc;
