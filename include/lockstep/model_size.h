@@ -19,6 +19,7 @@ struct ModelSize {
   int64_t layers = 0, heads = 0, head_dim = 0;
   int64_t kv_heads = 0;          // llama: grouped-query attention
   int64_t ffn_hidden = 0;        // width of the feed-forward layer
+  int64_t block = 0;             // parameters of one transformer block
 
   // Training FLOPs per token at sequence length T (forward + backward, the PaLM / torchtitan
   // count): 6 x the parameters that multiply every token (the output head included, tied or

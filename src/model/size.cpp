@@ -27,6 +27,7 @@ ModelSize model_size(const ModelConfig& m) {
     const int64_t H = s.ffn_hidden;
     // ln1 (2C), qkv (3C x C + 3C), proj (C x C + C), ln2 (2C), fc (H x C + H), proj (C x H + C)
     const int64_t block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + H * C + H + C * H + C;
+    s.block = block;
     s.embedding = V * C + m.max_seq_len * C;  // wte and wpe
     s.tied_head = V * C;                       // wte is the output head too
     s.parameters = s.embedding + m.n_layers * block + 2 * C;
@@ -39,6 +40,7 @@ ModelSize model_size(const ModelConfig& m) {
   const int64_t block = C + C * (m.n_heads * hd) + 2 * C * (s.kv_heads * hd) +
                         (m.n_heads * hd) * C + C + 3 * C * H;
   s.embedding = V * C;
+  s.block = block;
   s.parameters = s.embedding + m.n_layers * block + C + V * C;  // final norm, untied output
   return s;
 }
@@ -49,8 +51,7 @@ double ModelSize::flops_per_token(int64_t seq_len) const {
 }
 
 int64_t largest_unit(const ModelSize& s) {
-  const int64_t block = (s.parameters - s.embedding - s.tied_head) / std::max<int64_t>(1, s.layers);
-  return std::max({s.embedding, block, s.parameters - s.embedding - s.layers * block});
+  return std::max({s.embedding, s.block, s.parameters - s.embedding - s.layers * s.block});
 }
 
 std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, int64_t blocks) {
