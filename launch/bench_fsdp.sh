@@ -20,19 +20,11 @@
 #
 #   launch/bench_fsdp.sh [ROUNDS=3] [STEPS=6] [RATE]    (LOCKSTEP_BENCH_PARTS="memory" or "speed": one part)
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/bench_common.sh"
+bench_init bench_fsdp
 rounds="${1:-3}"
 steps="${2:-6}"
 rate="${3:-}"
-bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
-[[ -x "$bin/lockstep" && -x "$bin/lockstep-run" ]] || { echo "bench_fsdp: build first (launch/setup.sh)" >&2; exit 1; }
-tmp="$(mktemp -d)"
-shaped=0
-cleanup() {
-  if ((shaped)); then tc qdisc del dev lo root 2>/dev/null || true; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
 big="--model.name llama --model.dim 512 --model.n_layers 8 --model.n_heads 8 --model.vocab_size 32000
      --model.multiple_of 256 --training.seq_len 64 --training.threads 1"
 long="--model.name llama --model.dim 256 --model.n_layers 4 --model.n_heads 4 --model.vocab_size 256
@@ -122,7 +114,5 @@ PY
 parts="${LOCKSTEP_BENCH_PARTS:-memory speed}"
 machine
 if [[ $parts == *memory* ]]; then memory; fi
-if [[ -n "$rate" ]]; then
-  tc qdisc add dev lo root tbf rate "$rate" burst 1mbit latency 50ms && shaped=1
-fi
+if [[ -n "$rate" ]] && ! shape_loopback "$rate"; then rate=""; fi
 if [[ $parts == *speed* ]]; then speed; fi

@@ -15,19 +15,11 @@
 #
 #   launch/bench_sync.sh [ROUNDS=3] [STEPS=30] [RATE]
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$(dirname "${BASH_SOURCE[0]}")/bench_common.sh"
+bench_init bench_sync
 rounds="${1:-3}"
 steps="${2:-30}"
 rate="${3:-}"
-bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
-[[ -x "$bin/lockstep" && -x "$bin/lockstep-run" ]] || { echo "bench_sync: build first (launch/setup.sh)" >&2; exit 1; }
-tmp="$(mktemp -d)"
-shaped=0
-cleanup() {
-  if ((shaped)); then tc qdisc del dev lo root 2>/dev/null || true; fi
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
 model="--model.dim 512 --model.n_layers 4 --model.n_heads 8 --training.local_batch_size 4 --training.seq_len 64"
 
 one() {  # one run on $1 ranks with the rest as arguments; prints "ms_per_step sync_ms decision_ms"
@@ -71,12 +63,9 @@ echo "cpu flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(av
 echo "overlap: GPT dim 512 x 4 layers (12.9 M parameters, 52 MB fp32 gradient), 2 ranks x 1 thread (gloo), local batch 4 x 64 tokens, bucket 4 MiB, $steps steps per run, median of $rounds interleaved rounds"
 overlap "loopback"
 if [[ -n "$rate" ]]; then
-  if tc qdisc add dev lo root tbf rate "$rate" burst 1mb latency 10ms 2>/dev/null; then
-    shaped=1
+  if shape_loopback "$rate"; then
     overlap "loopback shaped $rate"
-    tc qdisc del dev lo root && shaped=0
-  else
-    echo "bench_sync: cannot shape the loopback with tc (root and the tbf qdisc needed); skipped"
+    unshape_loopback
   fi
 fi
 
