@@ -1,7 +1,5 @@
 #include "job.h"
 
-#include "compute.h"
-
 #include <ATen/Parallel.h>
 #include <fmt/format.h>
 
@@ -11,6 +9,7 @@
 #include <thread>
 
 #include "clock.h"
+#include "compute.h"
 #include "export/hf.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
