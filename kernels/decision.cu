@@ -21,7 +21,38 @@ __global__ void decide_kernel(const double* table, int world, DecideState* state
     record_rank(*state, config, table, *out, Settled{}, r);
 }
 
+// The per-tensor policies after the step's decision (the same stream: `result` is written).
+__global__ void decide_tensors_kernel(const double* table, int world, const double* sums,
+                                      int tensors, const DecideState* state, DecideConfig config,
+                                      TensorRule rule, const DecideResult* result, int64_t* taken,
+                                      double* gamma, float* factors, float* resets) {
+  __shared__ int spike;
+  const DecideResult& r = *result;
+  if (threadIdx.x == 0)
+    spike = rule.reset != 0 && global_spike(table, world, *state, config, r) ? 1 : 0;
+  __syncthreads();
+  const int64_t seen = *taken;
+  for (int i = static_cast<int>(threadIdx.x); i < tensors; i += static_cast<int>(blockDim.x)) {
+    const TensorAction a = decide_tensor(rule, seen, gamma[i],
+                                         tensor_norm(sums, world, tensors, i, r.loss_scale), r,
+                                         spike != 0);
+    factors[i] = static_cast<float>(a.factor);
+    resets[i] = a.reset ? 1.0f : 0.0f;
+  }
+  __syncthreads();  // every thread read `seen` before it moves
+  if (threadIdx.x == 0 && tensor_step_taken(r)) *taken = seen + 1;
+}
+
 }  // namespace
+
+int launch_decide_tensors(const double* table, int world, const double* sums, int tensors,
+                          DecideState* state, const DecideConfig& config, const TensorRule& rule,
+                          const DecideResult* result, int64_t* taken, double* gamma,
+                          float* factors, float* resets, void* stream) {
+  decide_tensors_kernel<<<1, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      table, world, sums, tensors, state, config, rule, result, taken, gamma, factors, resets);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int launch_decide_step(const double* table, int world, DecideState* state,
                        const DecideConfig& config, DecideResult* out, float* found_inf,

@@ -366,7 +366,8 @@ LOCKSTEP_HD inline void zclip_record(ZClipState& e, const ZClipRule& rule, doubl
 // sums (one more small all-gather) and adds them in rank order: the same factors everywhere.
 
 struct TensorRule {
-  int32_t clip = 0;  // skip.adaptive_clip = "adagc": scale the tensors above their bound down
+  int32_t clip = 0;   // skip.adaptive_clip = "adagc": scale the tensors above their bound down
+  int32_t reset = 0;  // skip.spike_moment_reset: reset the moments of the tensors a spike hit
   double lambda = 1.05, beta = 0.98;
   int64_t warmup = 100;
 };
@@ -857,11 +858,93 @@ LOCKSTEP_HD inline void decide_step(const double* table, int world, DecideState&
   for (int r = 0; r < world; ++r) record_rank(s, c, table, out, Settled{}, r);
 }
 
+// ---- per tensor, on a decided step ------------------------------------------------------------
+//
+// The per-tensor policies (TensorRule above) act once the global decision is taken, from every
+// rank's per-tensor partial sums of squares ([W, tensors] doubles, each rank's check [B] of its
+// part of the synced gradient, added in rank order). The host runs them from its verdict
+// (src/decide/tensor_policies.cpp), the device from the DecideResult its decision just wrote
+// (launch_decide_tensors): the same functions, the same bits.
+
+// Whether the decided step `r` is a global spike (`global`: the anomaly's scope is most ranks)
+// that the policy skipped or clipped; not a nonfinite value, not an overflow. SPAM's reset acts
+// on the tensors it hit.
+LOCKSTEP_HD inline bool global_spike(const DecideResult& r, bool global) {
+  constexpr uint32_t spikes = kGradNormAboveMax | kGradNormSpike | kLossSpike | kGradNormZClip;
+  if (!global || r.overflow || r.interrupted || (r.reasons & (kNonfiniteGrad | kNonfiniteLoss)) ||
+      !(r.reasons & spikes))
+    return false;
+  return r.outcome == kSkipStep || r.clipped;
+}
+
+// The same where there is no verdict's scope (the device): a clipped spike is global by
+// construction (apply_policy), a skipped one when is_global says so; a skip leaves the rank
+// windows and the loss scale as they were, so the state after record_step serves.
+LOCKSTEP_HD inline bool global_spike(const double* table, int world, const DecideState& s,
+                                     const DecideConfig& c, const DecideResult& r) {
+  return global_spike(r, true) && (r.clipped || is_global(table, world, s, c, r.reasons));
+}
+
+// Tensor i's global norm (unscaled) from the [world, tensors] partial sums.
+LOCKSTEP_HD inline double tensor_norm(const double* sums, int world, int tensors, int i,
+                                      double loss_scale) {
+  return std::sqrt(tensor_sumsq(sums, world, tensors, i)) / loss_scale;
+}
+
+struct TensorAction {
+  double factor;  // its gradient x this before the update (1: not clipped)
+  bool reset;     // its AdamW moments zeroed (their step counts kept)
+};
+
+// Tensor i's part of the decided step `r`: `norm` its global norm (unscaled, before any clip),
+// `taken` the taken steps seen before this one, `spike` global_spike's answer. Its threshold
+// `gamma` advances on a taken step, with the norm as taken (the global clip and its own).
+LOCKSTEP_HD inline TensorAction decide_tensor(const TensorRule& rule, int64_t taken,
+                                              double& gamma, double norm, const DecideResult& r,
+                                              bool spike) {
+  TensorAction a{1.0, rule.reset != 0 && spike && tensor_spiked(rule, taken, gamma, norm)};
+  if (r.outcome != kTake || r.overflow) return a;
+  const double as_taken = norm * r.clip;
+  a.factor = tensor_clip_factor(rule, taken, gamma, as_taken);
+  gamma = tensor_threshold_after(rule, taken, gamma, as_taken * a.factor);
+  return a;
+}
+
+// Whether the decided step counts as taken for the per-tensor warm-up.
+LOCKSTEP_HD inline bool tensor_step_taken(const DecideResult& r) {
+  return r.outcome == kTake && !r.overflow;
+}
+
+// Every tensor's part on one thread (the host's form of the device's kernel): `factors` and
+// `resets` (1: reset) per tensor in fp32, as the update reads them; `taken` advanced.
+LOCKSTEP_HD inline void decide_tensors(const double* table, int world, const double* sums,
+                                       int tensors, const DecideState& s, const DecideConfig& c,
+                                       const TensorRule& rule, const DecideResult& r,
+                                       int64_t& taken, double* gamma, float* factors,
+                                       float* resets) {
+  const bool spike = rule.reset != 0 && global_spike(table, world, s, c, r);
+  for (int i = 0; i < tensors; ++i) {
+    const TensorAction a = decide_tensor(rule, taken, gamma[i],
+                                         tensor_norm(sums, world, tensors, i, r.loss_scale), r,
+                                         spike);
+    factors[i] = static_cast<float>(a.factor);
+    resets[i] = a.reset ? 1.0f : 0.0f;
+  }
+  if (tensor_step_taken(r)) ++taken;
+}
+
 // decide_step as a kernel on `stream` (a cudaStream_t): decide_global on one thread, then
 // record_rank on one thread per rank; every pointer is device memory, `state`'s rings
 // included. Returns a cudaError_t as int (0 = launched). CUDA builds only (kernels/decision.cu).
 int launch_decide_step(const double* table, int world, DecideState* state,
                        const DecideConfig& config, DecideResult* out, float* found_inf,
                        float* grad_scale, void* stream);
+
+// decide_tensors as a kernel on `stream`, after launch_decide_step wrote `result`: one thread per
+// tensor. Device memory throughout; `taken` one int64. Returns a cudaError_t as int.
+int launch_decide_tensors(const double* table, int world, const double* sums, int tensors,
+                          DecideState* state, const DecideConfig& config, const TensorRule& rule,
+                          const DecideResult* result, int64_t* taken, double* gamma,
+                          float* factors, float* resets, void* stream);
 
 }  // namespace lockstep::kernels

@@ -6,9 +6,10 @@
 #
 #   stage     budget s  what
 #   build        150    configure and build lockstep, lockstep-run, lockstep_gpu_tests
-#   decide        90    the device-decided vs the host-decided step in the same lease, interleaved:
+#   decide       110    the device-decided vs the host-decided step in the same lease, interleaved:
 #                       ms/step, the host's blocked time per step, parameters crc32 (must agree):
-#                       fp32, bf16, fp16 with dynamic loss scaling, bf16 with overlap on
+#                       fp32, bf16, fp16 with dynamic loss scaling, bf16 with overlap on, AdaGC
+#                       with the moment reset (the per-tensor policies' kernels)
 #   syncs         60    host syncs per clean step, both ways: c10's sync-debug count (30-step run
 #                       minus 10-step run) and the host's timed blocking reads (metrics
 #                       host_waits, which also sees the event wait sync-debug cannot)
@@ -122,10 +123,11 @@ train() {
 }
 
 # --- decide: the device-decided step against the host-decided one -------------------------------
-stage decide 90
+stage decide 110
 decide_configs=("fp32|" "bf16|--training.mixed_precision_param bfloat16"
   "fp16-dynamic|--training.mixed_precision_param float16 --training.loss_scale dynamic"
-  "bf16-overlap|--training.mixed_precision_param bfloat16 --parallelism.overlap true")
+  "bf16-overlap|--training.mixed_precision_param bfloat16 --parallelism.overlap true"
+  "adagc-reset|--skip.adaptive_clip adagc --skip.adagc_warmup 20 --skip.spike_moment_reset true --skip.on_global_spike skip --fault.inject spike@150:0 --fault.spike_factor 100")
 for entry in "${decide_configs[@]}"; do
   name="${entry%%|*}" args="${entry#*|}"
   for round in 1 2; do
@@ -255,7 +257,7 @@ stage sanitize 50
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
     capped 25 env LOCKSTEP_TEST_STEPS=200 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.TinyTensorsShardsAndUnalignedViews:GradCheckCuda.EveryDtypeWithPlantedValues:DecisionCoreCuda.*' \
+      "$build/bin/lockstep_gpu_tests" --gtest_filter='GradCheckCuda.TinyTensorsShardsAndUnalignedViews:GradCheckCuda.EveryDtypeWithPlantedValues:DecisionCoreCuda.*:TensorActionsCuda.*' \
       >"$out/sanitizer_$tool.log" 2>&1 || status=1
     log "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$out/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"
   done

@@ -477,8 +477,9 @@ void skip_fields(std::vector<Field>& t) {
                            "skipped; adagc = AdaGC's rule (arXiv 2502.11034): after "
                            "adagc_warmup taken steps of global clipping, each tensor whose norm "
                            "exceeds adagc_lambda x an EMA of its own norms is scaled down to it "
-                           "(one more small all-gather a step; the host decides); off = the "
-                           "window's bound only"));
+                           "(its per-tensor sums: one more small all-gather a step when the "
+                           "host decides, in the step's one all-gather when the device does); "
+                           "off = the window's bound only"));
   t.push_back(float_field("skip", "zclip_alpha", &C::skip, &S::zclip_alpha, 0, true, 1,
                           "ZClip's EMA smoothing factor (its default 0.97)"));
   t.push_back(float_field("skip", "zclip_zscore", &C::skip, &S::zclip_zscore, 0, true, kInf,
@@ -1105,8 +1106,6 @@ std::string device_decision_blocker(const Config& c) {
     return fmt::format("diagnostics.replay_every = {}", c.diagnostics.replay_every);
   if (c.lr_scheduler.on_skip != OnSkip::kAdvance)
     return fmt::format("lr_scheduler.on_skip = \"{}\"", name_of(c.lr_scheduler.on_skip));
-  if (c.skip.adaptive_clip == AdaptiveClip::kAdaGC) return "skip.adaptive_clip = \"adagc\"";
-  if (c.skip.spike_moment_reset) return "skip.spike_moment_reset = true";
   return "";
 }
 

@@ -100,10 +100,9 @@ void explain_step(Job& job, RankStep& s, const Verdict& v, const std::vector<Ran
   if (v.decision == Decision::kAbort) abort_run(job, e, v);
 }
 
-// The update (sharded: then the all-gather of the blocks); a skip reaches the fused AdamW as
-// found_inf = 1: parameters, moments and step counts stay bitwise as they were. The per-tensor
-// policies act first (moments a global spike hit zeroed, clipped tensors scaled down).
-void update(Job& job, double lr, const UpdateControl& control, const TensorActions& tensors = {}) {
+// The per-tensor actions, then the update (sharded: then the all-gather of the blocks); a skip
+// reaches the fused AdamW as found_inf = 1: parameters, moments, step counts stay bitwise.
+void update(Job& job, double lr, const UpdateControl& control, const TensorActions& tensors) {
   tensors.apply_to(job.dp->optimizer());
   job.dp->apply(lr, control);
   job.dp->zero_grad();
@@ -145,10 +144,11 @@ void decide_on_host(Job& job, Issued& i) {
 // The step decided on the device (lag 1): nothing before the update waits for the host.
 void decide_on_device(Job& job, Issued& i) {
   const at::Tensor row = sync_and_row(job, i.s, {});
+  const at::Tensor mine = job.tensors->with_sums(row, i.s.shard_stats);  // + per-tensor sums
   const auto start = Clock::now();
-  const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), row), i.step);
+  const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), mine), i.step);
   i.s.costs.decision += seconds_since(start);
-  update(job, i.lr, UpdateControl::on_device(u.found_inf, u.grad_scale));
+  update(job, i.lr, UpdateControl::on_device(u.found_inf, u.grad_scale), job.tensors->on_device(u));
 }
 
 // Step 1-based `step` at learning rate `lr`, up to its update.
@@ -166,6 +166,7 @@ StepResult read_device_verdict(Job& job, Issued& i) {
   const auto start = Clock::now();
   const DeviceDecision::Late late = job.decision->read(i.step);
   StepResult r{job.detector->decide(late.table), i.lr};
+  job.tensors->mirror(i.step, late, r.verdict);  // per tensor
   i.s.costs.decision += seconds_since(start);
   r.compute_seconds = compute_times(late.table);
   i.s.costs.wait += late.waited;
@@ -220,8 +221,8 @@ TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
   if (decides_on_device(job.config, job.device, job.ranks.local_world_size))
-    job.decision =
-        std::make_unique<DeviceDecision>(job.device, job.ranks.world_size, *job.detector);
+    job.decision = std::make_unique<DeviceDecision>(job.device, job.ranks.world_size,
+                                                    *job.detector, job.tensors->device_start());
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
                      job.tokens_per_step, job.detector->loss_scaling(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,

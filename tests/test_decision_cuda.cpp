@@ -1,20 +1,25 @@
 // The decision's shared core as the device kernel (kernels/decision.cu) against the
 // same code on the host: every number, the outcome, found_inf, grad_scale, and the windows,
-// guards and loss scale each step advances, bit for bit; an abort stays sticky on the device.
-// Labelled `gpu`. LOCKSTEP_TEST_STEPS shortens the runs (launch/gpu_check.sh's sanitizers: the
+// guards and loss scale each step advances, bit for bit; an abort stays sticky on the device;
+// the per-tensor policies' kernel (AdaGC's factors, SPAM's resets, the thresholds) after it, and
+// the kernel that applies them, bit for bit against their host forms. Labelled `gpu`. LOCKSTEP_TEST_STEPS shortens the runs (launch/gpu_check.sh's sanitizers: the
 // bits are still compared, the counts of each path are not).
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <random>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "detector_util.h"
 #include "kernels/decision.h"
+#include "kernels/tensor_actions.h"
 
 using namespace lockstep;
 
@@ -50,7 +55,54 @@ double* device_doubles(size_t n) {
 constexpr int64_t kWindow = 32, kFractionWindow = 20;
 
 struct Counts {
-  int skips = 0, clips = 0, aborts = 0;
+  int skips = 0, clips = 0, aborts = 0, tensor_clips = 0, resets = 0;
+};
+
+// The per-tensor policies' state on the host and its twin on the device: 300 tensors (more
+// than the kernel's 256 threads), AdaGC and the reset on.
+struct Tensors {
+  static constexpr int kTensors = 300;
+  kernels::TensorRule rule{1, 1, 1.05, 0.98, 5};
+  int64_t taken = 0;
+  std::vector<double> gamma = std::vector<double>(kTensors, 0.0);
+  double *sums = nullptr, *dev_gamma = nullptr;
+  int64_t* dev_taken = nullptr;
+  float* dev_flags = nullptr;  // factors, then resets
+
+  explicit Tensors(int world) {
+    sums = device_doubles(static_cast<size_t>(world) * kTensors);
+    dev_gamma = device_doubles(kTensors);
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, sizeof(int64_t)), cudaSuccess);
+    dev_taken = static_cast<int64_t*>(p);
+    EXPECT_EQ(cudaMalloc(&p, 2 * kTensors * sizeof(float)), cudaSuccess);
+    dev_flags = static_cast<float*>(p);
+    restart();
+  }
+  ~Tensors() {
+    for (void* q : {static_cast<void*>(sums), static_cast<void*>(dev_gamma),
+                    static_cast<void*>(dev_taken), static_cast<void*>(dev_flags)})
+      cudaFree(q);
+  }
+  void restart() {
+    taken = 0;
+    gamma.assign(kTensors, 0.0);
+    ok(cudaMemcpy(dev_gamma, gamma.data(), kTensors * sizeof(double), cudaMemcpyHostToDevice));
+    ok(cudaMemcpy(dev_taken, &taken, sizeof taken, cudaMemcpyHostToDevice));
+  }
+  // Random partial sums: log-normal, now and then a tensor 100x up, a NaN or an inf.
+  std::vector<double> random_sums(std::mt19937_64& rng, int world) const {
+    std::lognormal_distribution<double> base(0.0, 0.3);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    std::vector<double> out(static_cast<size_t>(world) * kTensors);
+    const bool spike = u(rng) < 0.1;
+    for (double& v : out) {
+      const double r = u(rng);
+      v = base(rng) * (spike && r < 0.3 ? 1e4 : 1.0);
+      if (r > 0.9995) v = r > 0.99975 ? std::nan("") : INFINITY;
+    }
+    return out;
+  }
 };
 
 // 3000 random steps of `world` ranks under `on_global_spike`, decided by the kernel and by the
@@ -84,6 +136,7 @@ Counts expect_kernel_is_host(int world, int32_t on_global_spike) {
   };
   restart();
 
+  Tensors tensors(world);
   std::mt19937_64 rng(7);
   Counts n;
   for (int step = 1; step <= steps_per_run() && !::testing::Test::HasFailure(); ++step) {
@@ -106,11 +159,43 @@ Counts expect_kernel_is_host(int world, int32_t on_global_spike) {
     ok(cudaMemcpy(dev_rings.data(), rings, dev_rings.size() * sizeof(double),
                   cudaMemcpyDeviceToHost));
     EXPECT_EQ(dev_rings, host_rings) << "step " << step;
+    // Then the per-tensor policies from the decided step, on both.
+    constexpr int kT = Tensors::kTensors;
+    const std::vector<double> sums = tensors.random_sums(rng, world);
+    ok(cudaMemcpy(tensors.sums, sums.data(), sums.size() * sizeof(double),
+                  cudaMemcpyHostToDevice));
+    std::vector<float> want_t(2 * kT), got_t(2 * kT);
+    kernels::decide_tensors(flat.data(), world, sums.data(), kT, host, config, tensors.rule, want,
+                            tensors.taken, tensors.gamma.data(), want_t.data(),
+                            want_t.data() + kT);
+    EXPECT_EQ(kernels::launch_decide_tensors(table, world, tensors.sums, kT, dev, config,
+                                             tensors.rule, result, tensors.dev_taken,
+                                             tensors.dev_gamma, tensors.dev_flags,
+                                             tensors.dev_flags + kT, stream),
+              0);
+    ok(cudaStreamSynchronize(stream));
+    ok(cudaMemcpy(got_t.data(), tensors.dev_flags, got_t.size() * sizeof(float),
+                  cudaMemcpyDeviceToHost));
+    std::vector<double> got_gamma(kT);
+    int64_t got_taken = -1;
+    ok(cudaMemcpy(got_gamma.data(), tensors.dev_gamma, kT * sizeof(double),
+                  cudaMemcpyDeviceToHost));
+    ok(cudaMemcpy(&got_taken, tensors.dev_taken, sizeof got_taken, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(got_t.data(), want_t.data(), got_t.size() * sizeof(float)), 0)
+        << "step " << step;
+    EXPECT_EQ(std::memcmp(got_gamma.data(), tensors.gamma.data(), kT * sizeof(double)), 0)
+        << "step " << step;
+    EXPECT_EQ(got_taken, tensors.taken) << "step " << step;
+    for (int i = 0; i < kT; ++i) {
+      n.tensor_clips += want_t[i] != 1.0f;
+      n.resets += want_t[kT + i] != 0.0f;
+    }
     n.skips += want.outcome == kernels::kSkipStep;
     n.clips += want.clipped;
     if (want.outcome == kernels::kAbortRun) {
       ++n.aborts;
       restart();
+      tensors.restart();
     }
   }
   for (void* q : {static_cast<void*>(rings), static_cast<void*>(table), static_cast<void*>(dev),
@@ -136,5 +221,57 @@ TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {
     EXPECT_GT(abort.aborts, 20);
     EXPECT_GT(skip.skips, 50);
     EXPECT_EQ(skip.clips, 0);
+    for (const Counts& c : {clip, skip}) {
+      EXPECT_GT(c.tensor_clips, 100) << "AdaGC clipped tensors";
+      EXPECT_GT(c.resets, 0) << "a global spike reset moments";
+    }
   }
+}
+
+// The kernel that applies the per-tensor actions against its host form: 70 targets (three
+// launches of up to 32), empty to 3 M elements, values 1 (untouched), 0 and others; scaling
+// and zeroing, bit for bit.
+TEST(TensorActionsCuda, TheKernelActsAsTheHostForm) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  const std::vector<int64_t> sizes = {0, 1, 7, 255, 256, 257, 4096, 100003, 3000000};
+  std::vector<std::vector<float>> host;
+  std::vector<kernels::TensorTarget> on_host, on_device;
+  std::vector<float> values;
+  for (int t = 0; t < 70; ++t) {
+    const int64_t n = sizes[static_cast<size_t>(t) % sizes.size()];
+    host.emplace_back(static_cast<size_t>(n));
+    for (float& x : host.back()) x = normal(rng);
+    void* p = nullptr;
+    ok(cudaMalloc(&p, std::max<int64_t>(n, 1) * sizeof(float)));
+    ok(cudaMemcpy(p, host.back().data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    on_device.push_back({static_cast<float*>(p), n, t % 23});
+  }
+  for (size_t t = 0; t < host.size(); ++t)
+    on_host.push_back({host[t].data(), on_device[t].numel, on_device[t].index});
+  for (int i = 0; i < 23; ++i) values.push_back(i % 3 == 0 ? 1.0f : i % 5 == 0 ? 0.0f : 0.37f * i);
+  float* dev_values = nullptr;
+  ok(cudaMalloc(reinterpret_cast<void**>(&dev_values), values.size() * sizeof(float)));
+  ok(cudaMemcpy(dev_values, values.data(), values.size() * sizeof(float),
+                cudaMemcpyHostToDevice));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (kernels::TensorOp op : {kernels::kScaleBy, kernels::kZeroIf}) {
+    kernels::apply_tensor_values_cpu(on_host.data(), static_cast<int>(on_host.size()),
+                                     values.data(), op);
+    EXPECT_EQ(kernels::launch_apply_tensor_values(on_device.data(),
+                                                  static_cast<int>(on_device.size()), dev_values,
+                                                  op, stream),
+              0);
+    ok(cudaStreamSynchronize(stream));
+    for (size_t t = 0; t < host.size(); ++t) {
+      std::vector<float> got(host[t].size());
+      ok(cudaMemcpy(got.data(), on_device[t].data, got.size() * sizeof(float),
+                    cudaMemcpyDeviceToHost));
+      EXPECT_EQ(std::memcmp(got.data(), host[t].data(), got.size() * sizeof(float)), 0)
+          << "target " << t << ", op " << op;
+    }
+  }
+  for (auto& t : on_device) cudaFree(t.data);
+  cudaFree(dev_values);
 }

@@ -33,8 +33,10 @@ std::vector<std::string> events(const std::string& dir, int rank) {
 }
 
 // `args` on `world` ranks, decided on the host and on the device (lazily: no log, checkpoint or
-// verify step but the last): the same run. Returns the host run's events on rank 0.
-std::vector<std::string> expect_same_args(int world, const std::string& args) {
+// verify step but the last): the same run. Returns the host run's events on rank 0 (and its last
+// metrics line in `metrics`).
+std::vector<std::string> expect_same_args(int world, const std::string& args,
+                                          nlohmann::json* metrics = nullptr) {
   test::TempDir dir;
   const std::string common = "--metrics.log_freq 1000 " + args;
   const int steps = 60;
@@ -52,8 +54,10 @@ std::vector<std::string> expect_same_args(int world, const std::string& args) {
   const auto hm = read_jsonl(dir / "host/metrics.jsonl").back();
   const auto dm = read_jsonl(dir / "device/metrics.jsonl").back();
   for (const char* k : {"step", "optimizer_steps", "skipped_steps", "overflow_skips",
-                        "clipped_steps", "loss_scale", "grad_norm", "loss"})
+                        "clipped_steps", "loss_scale", "grad_norm", "loss", "tensor_clips",
+                        "moment_resets"})
     EXPECT_EQ(dm.value(k, nlohmann::json()), hm.value(k, nlohmann::json())) << k;
+  if (metrics) *metrics = hm;
   return events(dir / "host", 0);
 }
 
@@ -97,6 +101,34 @@ TEST(DeviceDecision, ThreeRanksDecideAsTheHostInBothModes) {
 TEST(DeviceDecision, FourRanksDecideAsTheHostInBothModes) {
   expect_same_runs(4, "ddp", "clip");
   expect_same_runs(4, "sharded", "skip");
+}
+
+// The per-tensor policies decided on the device (AdaGC's clip, SPAM's reset of the moments a
+// global spike hit): the same tensors clipped by the same factors and the same moments zeroed
+// as on the host, in every mode, with random faults and spikes on every rank.
+TEST(DeviceDecision, PerTensorPoliciesDecideAsTheHostInEveryMode) {
+  const std::string llama =
+      " --model.name llama --model.n_heads 4 --model.n_kv_heads 2 --model.multiple_of 32";
+  for (const auto& [world, mode] : std::vector<std::pair<int, std::string>>{
+           {2, "ddp"}, {3, "sharded"}, {2, "fsdp --parallelism.overlap true" + llama}}) {
+    SCOPED_TRACE(std::to_string(world) + " ranks, " + mode);
+    std::string spikes;
+    for (int step : {25, 40})
+      for (int rank = 0; rank < world; ++rank)
+        spikes += (spikes.empty() ? "" : ", ") + fmt::format("spike@{}:{}", step, rank);
+    nlohmann::json last;
+    const auto anomalies = expect_same_args(
+        world,
+        "--skip.min_history 8 --skip.max_consecutive 0 --skip.max_fraction 0 "
+        "--skip.adaptive_clip adagc --skip.adagc_warmup 6 --skip.spike_moment_reset true "
+        "--skip.on_global_spike skip --fault.random_p 0.05 --fault.random_seed 3 "
+        "--fault.random_kinds 'nan_grad, spike' --fault.spike_factor 30 --fault.inject '" +
+            spikes + "' --parallelism.mode " + mode,
+        &last);
+    EXPECT_GT(last.value("tensor_clips", 0), 0) << "AdaGC clipped tensors";
+    EXPECT_GT(last.value("moment_resets", 0), 0) << "the spikes on every rank reset moments";
+    EXPECT_GE(count(anomalies, "\"moments_reset\":[\""), 1u) << "a global spike names its tensors";
+  }
 }
 
 namespace {
@@ -193,6 +225,12 @@ TEST(DeviceDecision, SettingsWithoutADeviceFormAreRefusedOrKeepTheHost) {
     EXPECT_EQ(device_decision_blocker(load_config("", "test", {{"skip.on_global_spike", policy}})),
               "")
         << policy;
+  EXPECT_EQ(device_decision_blocker(load_config("", "test",
+                                                {{"skip.enabled", "true"},
+                                                 {"skip.adaptive_clip", "adagc"},
+                                                 {"skip.spike_moment_reset", "true"}})),
+            "")
+      << "the per-tensor policies have a device form";
   for (const auto& [key, value] : std::vector<Override>{{"skip.scope", "rank"},
                                                         {"skip.replay", "self"},
                                                         {"diagnostics.replay_every", "5"},
@@ -217,12 +255,15 @@ TEST(DeviceDecision, Fp16LossScalingFollowsTheDevicesScale) {
                               "so it overflows by itself too)";
 }
 
-// A resume mid-window: the device's windows, guards and counters start from the checkpoint's
-// detector. A host-decided run's step-10 checkpoint, resumed with the decision on the device,
-// ends as the host-decided run did: the same events and the same bytes at step 30.
+// A resume mid-window: the device's windows, guards, counters and per-tensor thresholds start
+// from the checkpoint's detector. A host-decided run's step-10 checkpoint, resumed with the
+// decision on the device, ends as the host-decided run did: the same events and the same bytes
+// at step 30.
 TEST(DeviceDecision, AResumeMidWindowStartsFromTheCheckpointsState) {
   test::TempDir dir;
   std::vector<Override> policy = {
+      {"skip.adaptive_clip", "adagc"}, {"skip.adagc_warmup", "4"},
+      {"skip.spike_moment_reset", "true"},
       {"skip.window", "16"},           {"skip.min_history", "6"},
       {"skip.on_global_spike", "skip"}, {"checkpoint.interval", "10"},
       {"metrics.log_freq", "1000"},    {"fault.spike_factor", "50"},
@@ -244,8 +285,11 @@ TEST(DeviceDecision, AResumeMidWindowStartsFromTheCheckpointsState) {
     EXPECT_EQ(read_text(dir / "device/checkpoint/step-30/" + file),
               read_text(dir / "host/checkpoint/step-30/" + file))
         << file;
-  EXPECT_EQ(test::meta(dir / "device/checkpoint/step-30")["detector"],
-            test::meta(dir / "host/checkpoint/step-30")["detector"]);
+  const auto host_meta = test::meta(dir / "host/checkpoint/step-30");
+  EXPECT_EQ(test::meta(dir / "device/checkpoint/step-30")["detector"], host_meta["detector"]);
+  EXPECT_GT(host_meta["tensor_clips"].get<int64_t>(),
+            test::meta(dir / "host/checkpoint/step-10")["tensor_clips"].get<int64_t>())
+      << "AdaGC clipped after the resume";
 }
 
 // SIGTERM while steps are read a step late: the stop is seen in a lazy step's verdict, the step

@@ -217,12 +217,14 @@ TEST(ActivationCheckpoint, GradientsEqualNoRecomputationBitForBit) {
                                            "selective --activation_checkpoint.selective_ac_option 3"}}) {
     CliRun r = run(c.world, llama_args(dir / c.name, 5, c.world, base + " " + c.args));
     ASSERT_EQ(r.code, 0) << c.name << "\n" << r.out;
-    if (std::string(c.name).starts_with("full"))
+    if (std::string(c.name).starts_with("full")) {
       EXPECT_NE(r.out.find("activation checkpointing (full): blocks [0, 1, 2] of 3 recompute"),
                 std::string::npos) << r.out;
-    if (std::string(c.name) == "sel_ddp")
+    }
+    if (std::string(c.name) == "sel_ddp") {
       EXPECT_NE(r.out.find("activation checkpointing (selective): blocks [2] of 3"),
                 std::string::npos) << r.out;
+    }
     got[c.name] = test::outcome(dir / c.name, c.world);
   }
   for (const auto& [with, without] : {std::pair{"full1", "none1"}, std::pair{"sel1", "none1"},

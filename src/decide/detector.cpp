@@ -133,9 +133,14 @@ Decision decision_of(const kernels::DecideResult& r) {
   }
 }
 
-// The core's result of a decided verdict: what record_step and record_rank read.
+}  // namespace
+
 kernels::DecideResult result_of(const Verdict& v) {
   kernels::DecideResult r{};
+  for (int b = 0; b < kernels::kReasonCount; ++b)
+    if (std::find(v.reasons.begin(), v.reasons.end(), reason_name(b)) != v.reasons.end())
+      r.reasons |= 1u << b;
+  r.clip = v.clip;
   r.outcome = v.decision == Decision::kAbort  ? kernels::kAbortRun
               : v.decision == Decision::kSkip ? kernels::kSkipStep
                                               : kernels::kTake;
@@ -150,8 +155,6 @@ kernels::DecideResult result_of(const Verdict& v) {
   r.seconds = v.compute_seconds;
   return r;
 }
-
-}  // namespace
 
 std::string SkipDetector::guard_message(const kernels::DecideResult& r,
                                         const HostDecideState& st) const {

@@ -22,6 +22,10 @@ namespace lockstep {
 // A reason's name (kernels/decision.h's bit `bit`: nonfinite_grad, ..., loss_spike).
 const char* reason_name(int bit);
 
+// The core's result of a decided verdict: its outcome, reasons and numbers (what record_step,
+// record_rank and the per-tensor policies read; a verdict's names, not its guard's why).
+kernels::DecideResult result_of(const Verdict& v);
+
 // The shared core's config from the run's: thresholds, guards, scope policy, the clip
 // (training.max_norm) and the loss-scale rule and guards. The one reader of these settings.
 kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
@@ -25,7 +26,8 @@ namespace lockstep {
 struct DeviceDecision::Slot {
   explicit Slot(c10::DeviceType type) : copied(type) {}
   at::Tensor result, flags;             // device: DecideResult bytes; found_inf, grad_scale
-  at::Tensor table_host, result_host, flags_host;
+  at::Tensor tensor_flags;              // device: per tensor, the factors then the resets
+  at::Tensor table_host, result_host, flags_host, tensor_flags_host;
   int64_t step = -1;
   c10::Event copied;  // recorded after the copies on a GPU (on a CPU they are done at once)
 };
@@ -39,8 +41,13 @@ at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
 
 }  // namespace
 
-DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector& detector)
-    : device_(device), world_(world), config_(detector.config()) {
+DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector& detector,
+                               const TensorStart& tensors)
+    : device_(device),
+      world_(world),
+      config_(detector.config()),
+      rule_(tensors.rule),
+      tensors_(static_cast<int>(tensors.thresholds.size())) {
   // The host's state, uploaded as it is: its rings in one copy, the struct pointing at them.
   const HostDecideState host = detector.state_for(world);
   rings_ = at::empty({static_cast<int64_t>(host.rings.size())},
@@ -63,18 +70,54 @@ DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector
     slot->result_host = bytes_on(c10::kCPU, sizeof(kernels::DecideResult), pinned);
     slot->flags_host =
         at::empty({2}, at::TensorOptions().dtype(at::kFloat).pinned_memory(pinned));
+    if (tensors_ == 0) continue;
+    slot->tensor_flags = at::empty({2 * tensors_}, slot->flags.options());
+    slot->tensor_flags_host =
+        at::empty({2 * tensors_}, at::TensorOptions().dtype(at::kFloat).pinned_memory(pinned));
   }
+  if (tensors_ == 0) return;
+  const auto fp64 = at::TensorOptions().dtype(at::kDouble);
+  gamma_ = at::from_blob(const_cast<double*>(tensors.thresholds.data()), {tensors_}, fp64)
+               .to(device, at::kDouble, /*non_blocking=*/false, /*copy=*/true);
+  taken_ = at::full({1}, tensors.taken, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
 DeviceDecision::~DeviceDecision() = default;
 
-DeviceDecision::Update DeviceDecision::decide(const at::Tensor& table, int64_t step) {
+void DeviceDecision::decide_tensors(const at::Tensor& table, const at::Tensor& sums, Slot& slot) {
+  const auto* state = reinterpret_cast<const kernels::DecideState*>(state_.data_ptr<uint8_t>());
+  const auto* result = reinterpret_cast<const kernels::DecideResult*>(slot.result.data_ptr<uint8_t>());
+  float* factors = slot.tensor_flags.data_ptr<float>();
+  if (device_.is_cuda()) {
+#ifdef LOCKSTEP_WITH_CUDA
+    const auto stream = c10::cuda::getCurrentCUDAStream(device_.index());
+    const int err = kernels::launch_decide_tensors(
+        table.const_data_ptr<double>(), world_, sums.const_data_ptr<double>(), tensors_,
+        const_cast<kernels::DecideState*>(state), config_, rule_, result,
+        taken_.data_ptr<int64_t>(), gamma_.data_ptr<double>(), factors, factors + tensors_,
+        stream.stream());
+    if (err != 0)
+      throw std::runtime_error(fmt::format("the device decision ({}:{}): kernel launch failed "
+                                           "with CUDA error {}",
+                                           __FILE__, __LINE__, err));
+#endif
+    return;
+  }
+  kernels::decide_tensors(table.const_data_ptr<double>(), world_, sums.const_data_ptr<double>(),
+                          tensors_, *state, config_, rule_, *result, *taken_.data_ptr<int64_t>(),
+                          gamma_.data_ptr<double>(), factors, factors + tensors_);
+}
+
+DeviceDecision::Update DeviceDecision::decide(const at::Tensor& gathered, int64_t step) {
   Slot& slot = *slots_[static_cast<size_t>(step % 2)];
-  const at::Tensor t = table.to(device_, at::kDouble).contiguous();
-  const int world = static_cast<int>(t.size(0));
-  if (world != world_)
-    throw std::logic_error(fmt::format("device decision: a table of {} ranks for a state of {}",
-                                       world, world_));
+  const at::Tensor whole = gathered.to(device_, at::kDouble).contiguous();
+  const int world = static_cast<int>(whole.size(0));
+  if (world != world_ || whole.size(1) != kernels::kStatsDoubles + tensors_)
+    throw std::logic_error(fmt::format("device decision: a [{}, {}] table for {} ranks and {} "
+                                       "tensors",
+                                       world, whole.size(1), world_, tensors_));
+  const at::Tensor t =
+      tensors_ > 0 ? whole.narrow(1, 0, kernels::kStatsDoubles).contiguous() : whole;
   auto* state = reinterpret_cast<kernels::DecideState*>(state_.data_ptr<uint8_t>());
   auto* result = reinterpret_cast<kernels::DecideResult*>(slot.result.data_ptr<uint8_t>());
   float* flags = slot.flags.data_ptr<float>();
@@ -92,17 +135,24 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& table, int64_t s
     kernels::decide_step(t.const_data_ptr<double>(), world, *state, config_, *result, flags,
                          flags + 1);
   }
+  Update u{slot.flags.select(0, 0), slot.flags.select(0, 1), {}, {}};
+  if (tensors_ > 0) {
+    decide_tensors(t, whole.narrow(1, kernels::kStatsDoubles, tensors_).contiguous(), slot);
+    u.factors = slot.tensor_flags.narrow(0, 0, tensors_);
+    u.resets = slot.tensor_flags.narrow(0, tensors_, tensors_);
+  }
   // The host's copies, without waiting: it reads them a step later.
   const bool async = device_.is_cuda();
-  if (!slot.table_host.defined() || slot.table_host.numel() != t.numel())
+  if (!slot.table_host.defined() || slot.table_host.numel() != whole.numel())
     slot.table_host =
-        at::empty(t.sizes(), at::TensorOptions().dtype(at::kDouble).pinned_memory(async));
-  slot.table_host.copy_(t, async);
+        at::empty(whole.sizes(), at::TensorOptions().dtype(at::kDouble).pinned_memory(async));
+  slot.table_host.copy_(whole, async);
   slot.result_host.copy_(slot.result, async);
   slot.flags_host.copy_(slot.flags, async);
+  if (tensors_ > 0) slot.tensor_flags_host.copy_(slot.tensor_flags, async);
   if (async) slot.copied.record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
   slot.step = step;
-  return {slot.flags.select(0, 0), slot.flags.select(0, 1)};
+  return u;
 }
 
 DeviceDecision::Late DeviceDecision::read(int64_t step) {
@@ -121,8 +171,15 @@ DeviceDecision::Late DeviceDecision::read(int64_t step) {
   const int64_t world = slot.table_host.size(0);
   late.table.resize(static_cast<size_t>(world));
   static_assert(sizeof(RankStats) == kernels::kStatsDoubles * sizeof(double));
-  std::memcpy(static_cast<void*>(late.table.data()), slot.table_host.const_data_ptr<double>(),
+  const at::Tensor stats = slot.table_host.narrow(1, 0, kernels::kStatsDoubles).contiguous();
+  std::memcpy(static_cast<void*>(late.table.data()), stats.const_data_ptr<double>(),
               sizeof(RankStats) * late.table.size());
+  if (tensors_ > 0) {
+    late.tensor_sums = slot.table_host.narrow(1, kernels::kStatsDoubles, tensors_).clone();
+    const float* f = slot.tensor_flags_host.const_data_ptr<float>();
+    late.factors.assign(f, f + tensors_);
+    late.resets.assign(f + tensors_, f + 2 * tensors_);
+  }
   std::memcpy(&late.result, slot.result_host.const_data_ptr<uint8_t>(), sizeof late.result);
   late.found_inf = slot.flags_host.const_data_ptr<float>()[0];
   late.grad_scale = slot.flags_host.const_data_ptr<float>()[1];

@@ -8,8 +8,10 @@
 // a step later, stops. On a CPU the same path runs in host memory (the tests use it).
 //
 // The device form covers every decision taken from the exchanged table alone: each
-// skip.on_global_spike (the scope from every rank's own windows, kept on the device too),
-// with skip.scope = "step", no replay or probe, lr_scheduler.on_skip = "advance" (the host
+// skip.on_global_spike (the scope from every rank's own windows, kept on the device too), and
+// the per-tensor policies (AdaGC's clip, SPAM's reset: their sums ride in the same table, a
+// second kernel decides each tensor, decide/tensor_policies.h), with skip.scope = "step", no
+// replay or probe, lr_scheduler.on_skip = "advance" (the host
 // sets the next step's lr before it reads this one's verdict); device_decision_blocker
 // (config.h) names what keeps a config out of it, decides_on_host_because what keeps "auto" on
 // the host. With fp16 loss scaling the forward multiplies by the device's scale (loss_scale()).
@@ -37,20 +39,32 @@ bool decides_on_device(const Config& c, c10::Device device, int local_ranks = 1)
 // backend (Gloo, MPI) or the for-loop AdamW, for which the device form would add host syncs.
 std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks = 1);
 
+// The per-tensor policies' state the device starts from (TensorPolicies::device_start; empty
+// thresholds: neither policy is on).
+struct TensorStart {
+  kernels::TensorRule rule;
+  int64_t taken = 0;
+  std::vector<double> thresholds;
+};
+
 class DeviceDecision {
  public:
-  // Starts from the host's state (after a resume: the checkpoint's windows, guards, loss scale).
-  DeviceDecision(c10::Device device, int world, const SkipDetector& detector);
+  // Starts from the host's state (after a resume: the checkpoint's windows, guards, loss scale,
+  // per-tensor thresholds).
+  DeviceDecision(c10::Device device, int world, const SkipDetector& detector,
+                 const TensorStart& tensors = {});
   ~DeviceDecision();
   DeviceDecision(const DeviceDecision&) = delete;
   DeviceDecision& operator=(const DeviceDecision&) = delete;
 
-  // The update's inputs, on the device: found_inf (1: skip or abort) and grad_scale.
+  // The update's inputs, on the device: found_inf (1: skip or abort) and grad_scale; with the
+  // per-tensor policies each tensor's factor (1: none) and reset (1: zero its moments), fp32.
   struct Update {
-    at::Tensor found_inf, grad_scale;
+    at::Tensor found_inf, grad_scale, factors, resets;
   };
-  // Decides the step whose [W, 9] table this is (on the device) into slot `step % 2`, and
-  // starts copying the table and the result to the host.
+  // Decides the step whose table this is (on the device; [W, 9], and each rank's per-tensor
+  // sums after its 9 with the per-tensor policies) into slot `step % 2`, and starts copying the
+  // table and the results to the host.
   Update decide(const at::Tensor& table, int64_t step);
 
   // What the device decided at `step` (one of the last two), on the host: waits for the copy,
@@ -59,6 +73,8 @@ class DeviceDecision {
     std::vector<RankStats> table;
     kernels::DecideResult result{};
     float found_inf = 0, grad_scale = 0;
+    at::Tensor tensor_sums;                  // [W, tensors] fp64 (per-tensor policies)
+    std::vector<float> factors, resets;      // what the device decided per tensor
     double waited = 0;  // seconds the host blocked on the copy (0: nothing to wait for, a CPU)
   };
   Late read(int64_t step);
@@ -69,10 +85,15 @@ class DeviceDecision {
 
  private:
   struct Slot;
+  void decide_tensors(const at::Tensor& table, const at::Tensor& sums, Slot& slot);
+
   c10::Device device_;
   int world_;
   kernels::DecideConfig config_{};
   at::Tensor rings_, state_;  // device: the windows and the DecideState pointing into them
+  kernels::TensorRule rule_{};
+  int tensors_ = 0;          // per-tensor policies: the tensors (0: off)
+  at::Tensor gamma_, taken_;  // device: their thresholds (fp64) and taken steps (int64)
   at::Tensor loss_scale_;     // a view of state_'s scale
   std::array<std::unique_ptr<Slot>, 2> slots_;
 };

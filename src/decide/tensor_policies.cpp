@@ -1,47 +1,37 @@
 #include "decide/tensor_policies.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/slice.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 
+#include "decide/detector.h"
 #include "kernels/gradcheck.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
 
 void TensorActions::apply_to(AdamW& optimizer) const {
+  if (device_factors.defined())
+    return optimizer.apply_on_device(device_factors, device_resets, *order);
   if (!reset.empty()) optimizer.reset_moments(reset);
   if (!factors.empty()) optimizer.scale_gradients(factors);
 }
 
 TensorPolicies::TensorPolicies(const SkipConfig& skip, std::vector<std::string> names, Comm* comm)
-    : rule_{skip.adaptive_clip == AdaptiveClip::kAdaGC ? 1 : 0, skip.adagc_lambda,
-            skip.adagc_beta, skip.adagc_warmup},
-      reset_(skip.spike_moment_reset),
+    : rule_{skip.adaptive_clip == AdaptiveClip::kAdaGC ? 1 : 0, skip.spike_moment_reset ? 1 : 0,
+            skip.adagc_lambda, skip.adagc_beta, skip.adagc_warmup},
       names_(std::move(names)),
       comm_(comm),
       gamma_(names_.size(), 0.0) {}
 
-namespace {
-
-// A global spike (not a nonfinite value, not a local anomaly) the decision skipped or clipped.
-bool global_spike(const Verdict& v) {
-  if (v.overflow || v.scope != "global") return false;
-  if (v.decision != Decision::kSkip && v.decision != Decision::kClip) return false;
-  bool spike = false;
-  for (const std::string& r : v.reasons) {
-    if (r.starts_with("nonfinite")) return false;
-    spike = spike || r == "grad_norm_spike" || r == "loss_spike" || r == "grad_norm_above_max" ||
-            r == "grad_norm_zclip";
-  }
-  return spike;
-}
-
-}  // namespace
-
 bool TensorPolicies::needs_norms(const Verdict& v) const {
-  return active() && ((v.updates() && !v.overflow) || (reset_ && global_spike(v)));
+  if (!active()) return false;
+  const kernels::DecideResult r = result_of(v);
+  return kernels::tensor_step_taken(r) ||
+         (rule_.reset != 0 && kernels::global_spike(r, v.scope == "global"));
 }
 
 std::vector<double> TensorPolicies::norms(const at::Tensor& table, double loss_scale) const {
@@ -50,39 +40,79 @@ std::vector<double> TensorPolicies::norms(const at::Tensor& table, double loss_s
   const int tensors = static_cast<int>(t.size(1));
   std::vector<double> out;
   for (int i = 0; i < tensors; ++i)
-    out.push_back(std::sqrt(kernels::tensor_sumsq(t.data_ptr<double>(), world, tensors, i)) /
-                  loss_scale);
+    out.push_back(kernels::tensor_norm(t.const_data_ptr<double>(), world, tensors, i, loss_scale));
   return out;
 }
 
 TensorActions TensorPolicies::decide(const std::vector<double>& norms, Verdict& v) {
   TensorActions a;
-  if (reset_ && global_spike(v))
-    for (size_t i = 0; i < names_.size(); ++i)
-      if (kernels::tensor_spiked(rule_, count_, gamma_[i], norms[i])) {
-        a.reset.insert(names_[i]);
-        v.moments_reset.push_back(names_[i]);
-      }
-  if (!v.updates() || v.overflow) return a;
+  const kernels::DecideResult r = result_of(v);
+  const bool spike = kernels::global_spike(r, v.scope == "global");
   for (size_t i = 0; i < names_.size(); ++i) {
-    const double norm = norms[i] * v.clip;  // as the global decision takes it
-    const double f = kernels::tensor_clip_factor(rule_, count_, gamma_[i], norm);
-    if (f < 1.0) a.factors[names_[i]] = f;
-    gamma_[i] = kernels::tensor_threshold_after(rule_, count_, gamma_[i], norm * f);
+    const kernels::TensorAction t =
+        kernels::decide_tensor(rule_, count_, gamma_[i], norms[i], r, spike);
+    if (t.reset) {
+      a.reset.insert(names_[i]);
+      v.moments_reset.push_back(names_[i]);
+    }
+    if (t.factor < 1.0) a.factors[names_[i]] = t.factor;
   }
+  if (!kernels::tensor_step_taken(r)) return a;
   v.tensors_clipped = static_cast<int64_t>(a.factors.size());
   ++count_;
   return a;
 }
 
+namespace {
+
+// [3 + 2i + 1]: tensor i's sum of squares over this rank's part of the synced gradient.
+at::Tensor sums_of(const at::Tensor& shard_stats, int64_t tensors) {
+  return shard_stats.slice(0, kernels::kStatsHeader + 1, kernels::kStatsHeader + 2 * tensors, 2);
+}
+
+}  // namespace
+
 TensorActions TensorPolicies::step(const at::Tensor& shard_stats, Verdict& v) {
   if (!needs_norms(v)) return {};
   const int64_t n = static_cast<int64_t>(names_.size());
-  // [3 + 2i + 1]: tensor i's sum of squares over this rank's part of the synced gradient
-  const at::Tensor mine =
-      shard_stats.slice(0, kernels::kStatsHeader + 1, kernels::kStatsHeader + 2 * n, 2)
-          .contiguous();
+  const at::Tensor mine = sums_of(shard_stats, n).contiguous();
   return decide(norms(all_gather_rows(comm_, mine), v.loss_scale), v);
+}
+
+at::Tensor TensorPolicies::with_sums(const at::Tensor& row, const at::Tensor& shard_stats) const {
+  if (!active()) return row;
+  return at::cat({row, sums_of(shard_stats, static_cast<int64_t>(names_.size()))});
+}
+
+TensorStart TensorPolicies::device_start() const {
+  if (!active()) return {};
+  return {rule_, count_, gamma_};
+}
+
+TensorActions TensorPolicies::on_device(const DeviceDecision::Update& u) const {
+  TensorActions a;
+  if (!active()) return a;
+  a.device_factors = u.factors;
+  a.device_resets = u.resets;
+  a.order = &names_;
+  return a;
+}
+
+void TensorPolicies::mirror(int64_t step, const DeviceDecision::Late& late, Verdict& v) {
+  if (!active()) return;
+  const TensorActions a = decide(norms(late.tensor_sums, v.loss_scale), v);
+  for (size_t i = 0; i < names_.size(); ++i) {
+    const auto f = a.factors.find(names_[i]);
+    const float factor = f == a.factors.end() ? 1.0f : static_cast<float>(f->second);
+    const float reset = a.reset.contains(names_[i]) ? 1.0f : 0.0f;
+    if (late.factors[i] == factor && late.resets[i] == reset) continue;
+    throw Error(ExitCode::kTrainingAborted,
+                fmt::format("step {}: the device's per-tensor decision for {} (factor {}, reset "
+                            "{}) differs from the host's (factor {}, reset {}); this is a bug in "
+                            "lockstep: please report it; skip.device_decision = \"off\" decides "
+                            "on the host only",
+                            step, names_[i], late.factors[i], late.resets[i], factor, reset));
+  }
 }
 
 nlohmann::json TensorPolicies::state() const {

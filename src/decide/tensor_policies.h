@@ -5,6 +5,9 @@
 // stats buffer: one more small all-gather, [W, tensors] doubles) on the steps that need them, adds
 // them in rank order and reaches the same factors and the same reset tensors. Its thresholds
 // travel in checkpoints with the detector's state; they do not depend on the world size.
+// Decided on the device (skip.device_decision), the sums ride along the step's one all-gather
+// (with_sums), the device decides every tensor and the optimizer acts on what it wrote; a step
+// later the host decides the same from the copied sums and checks they agree (mirror).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/comm.h"
+#include "decide/device_decision.h"
 #include "kernels/decision.h"
 #include "lockstep/config.h"
 #include "lockstep/decision.h"
@@ -30,7 +34,11 @@ namespace lockstep {
 struct TensorActions {
   std::unordered_map<std::string, double> factors;  // clipped tensors: their gradient x factor
   std::unordered_set<std::string> reset;            // their AdamW moments zeroed
-  // Before the update: the resets, then the factors (nothing when both are empty).
+  // Decided on the device: a factor and a reset flag per tensor of `order` (the host reads
+  // neither; the maps above stay empty).
+  at::Tensor device_factors, device_resets;
+  const std::vector<std::string>* order = nullptr;
+  // Before the update: the resets, then the factors (nothing when there are none).
   void apply_to(AdamW& optimizer) const;
 };
 
@@ -39,7 +47,7 @@ class TensorPolicies {
   // `names`: the parameters in model order (check [B]'s). With neither policy on it does
   // nothing at all (no collective, no state).
   TensorPolicies(const SkipConfig& skip, std::vector<std::string> names, Comm* comm);
-  bool active() const { return rule_.clip != 0 || reset_; }
+  bool active() const { return rule_.clip != 0 || rule_.reset != 0; }
 
   // The per-tensor part of the decided step `v` from this rank's check [B] stats buffer
   // (kernels/gradcheck.h's layout): the factors of a taken step, the tensors a global spike hit;
@@ -54,6 +62,17 @@ class TensorPolicies {
   // thresholds it advances on a taken step).
   TensorActions decide(const std::vector<double>& norms, Verdict& v);
 
+  // On the device: this rank's row of stats `row` followed by its per-tensor sums from check
+  // [B]'s `shard_stats` (the row alone when neither policy is on), for the one all-gather.
+  at::Tensor with_sums(const at::Tensor& row, const at::Tensor& shard_stats) const;
+  // The state the device starts from, and what the optimizer does with its decision.
+  TensorStart device_start() const;
+  TensorActions on_device(const DeviceDecision::Update& u) const;
+  // A step later: the same decision on the host from the device's copied sums, noted in `v`
+  // (the thresholds advance as on the host path); throws (exit code 4) when the device's
+  // factors or resets differ, a bug.
+  void mirror(int64_t step, const DeviceDecision::Late& late, Verdict& v);
+
   int64_t taken() const { return count_; }
   const std::vector<double>& thresholds() const { return gamma_; }
   nlohmann::json state() const;
@@ -63,7 +82,6 @@ class TensorPolicies {
   bool needs_norms(const Verdict& v) const;
 
   kernels::TensorRule rule_;
-  bool reset_;
   std::vector<std::string> names_;
   Comm* comm_;
   int64_t count_ = 0;          // taken steps seen (the warm-up's clock)

@@ -17,6 +17,11 @@
 #endif
 
 #include "kernels/decision.h"
+#include "kernels/tensor_actions.h"
+
+#ifdef LOCKSTEP_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace lockstep {
 
@@ -155,6 +160,59 @@ void AdamW::reset_moments(const std::unordered_set<std::string>& names) {
         g.exp_avgs[i].zero_();
         g.exp_avg_sqs[i].zero_();
       }
+}
+
+namespace {
+
+// Applies `values` to `targets` where they live, on the current stream of a GPU.
+void apply_values(const std::vector<kernels::TensorTarget>& targets, const at::Tensor& values,
+                  kernels::TensorOp op) {
+  if (targets.empty()) return;
+  const float* v = values.const_data_ptr<float>();
+  const int n = static_cast<int>(targets.size());
+  if (!values.is_cuda()) return kernels::apply_tensor_values_cpu(targets.data(), n, v, op);
+#ifdef LOCKSTEP_WITH_CUDA
+  const auto stream = c10::cuda::getCurrentCUDAStream(values.device().index());
+  const int err = kernels::launch_apply_tensor_values(targets.data(), n, v, op, stream.stream());
+  if (err != 0)
+    throw std::runtime_error("the per-tensor actions: kernel launch failed with CUDA error " +
+                             std::to_string(err));
+#endif
+}
+
+kernels::TensorTarget target_of(at::Tensor& t, int32_t index) {
+  if (t.scalar_type() != at::kFloat || !t.is_contiguous())
+    throw std::logic_error("the per-tensor actions need contiguous fp32 optimizer tensors");
+  return {t.data_ptr<float>(), t.numel(), index};
+}
+
+}  // namespace
+
+void AdamW::apply_on_device(const at::Tensor& factors, const at::Tensor& resets,
+                            const std::vector<std::string>& order) {
+  if (order_index_.empty()) {
+    std::unordered_map<std::string, int32_t> place;
+    for (size_t i = 0; i < order.size(); ++i) place.emplace(order[i], static_cast<int32_t>(i));
+    for (const auto& g : groups_) {
+      order_index_.emplace_back();
+      for (const auto& name : g.names) order_index_.back().push_back(place.at(name));
+    }
+  }
+  std::vector<kernels::TensorTarget> grads, moments;
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    Group& g = groups_[k];
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      const int32_t index = order_index_[k][i];
+      at::Tensor& p = g.params[i];
+      if (!g.grads[i].defined() && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      at::Tensor grad = g.grads[i].defined() ? g.grads[i] : p.mutable_grad();
+      grads.push_back(target_of(grad, index));
+      moments.push_back(target_of(g.exp_avgs[i], index));
+      moments.push_back(target_of(g.exp_avg_sqs[i], index));
+    }
+  }
+  apply_values(moments, resets, kernels::kZeroIf);
+  apply_values(grads, factors, kernels::kScaleBy);
 }
 
 void AdamW::set_step_count(double steps) {

@@ -75,6 +75,12 @@ class AdamW {
   // stay, so the bias corrections do too).
   void scale_gradients(const std::unordered_map<std::string, double>& factors);
   void reset_moments(const std::unordered_set<std::string>& names);
+  // The same decided on the device (skip.device_decision), with no host read: `factors` and
+  // `resets` ([tensors] fp32 on the parameters' device; reset 1: zero) hold a value per name
+  // of `order`, the per-tensor policies' list; only the tensors they act on are touched
+  // (kernels/tensor_actions.h).
+  void apply_on_device(const at::Tensor& factors, const at::Tensor& resets,
+                       const std::vector<std::string>& order);
   // Sets every step count (a resumed sharded run reads one count for all).
   void set_step_count(double steps);
 
@@ -98,6 +104,7 @@ class AdamW {
   AdamWOptions opt_;
   bool fused_ = false;
   std::vector<Group> groups_;
+  std::vector<std::vector<int32_t>> order_index_;  // apply_on_device: each tensor's place
 };
 
 // The clip coefficient as torch's clip_grad_norm_ computes it: min(1, max_norm / (norm + 1e-6)).
