@@ -88,6 +88,18 @@ for tool in matplotlib lizard transformers setuptools tensorboard wandb tokenize
   fi
 done
 
+# torchtitan for the guard's torchtitan example and its test (tests/python/titan_guard.py), in
+# .titan/ apart from .venv (python/examples/torchtitan-requirements.txt says why).
+titan_pins="$LOCKSTEP_ROOT/python/examples/torchtitan-requirements.txt"
+if [[ "$(cat "$LOCKSTEP_ROOT/.titan/.pins" 2>/dev/null)" != "$(cat "$titan_pins")" ]]; then
+  say "installing torchtitan into .titan (python/examples/torchtitan-requirements.txt)"
+  rm -rf "$LOCKSTEP_ROOT/.titan"
+  "$LOCKSTEP_ROOT/.venv/bin/pip" install -q --disable-pip-version-check --no-deps \
+    --target "$LOCKSTEP_ROOT/.titan" -r "$titan_pins" 2>&1 | { grep -v "^WARNING: Location" || true; } \
+    || die "pip install of torchtitan into .titan failed (the torchtitan example's test needs it)"
+  cp "$titan_pins" "$LOCKSTEP_ROOT/.titan/.pins"
+fi
+
 # --- configure + build -----------------------------------------------------------
 mkdir -p "$LOCKSTEP_BUILD_DIR"
 stamp="$TORCH_PREFIX ${LOCKSTEP_CMAKE_ARGS:-}"
