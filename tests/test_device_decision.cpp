@@ -105,12 +105,17 @@ TEST(DeviceDecision, FourRanksDecideAsTheHostInBothModes) {
 
 // The per-tensor policies decided on the device (AdaGC's clip, SPAM's reset of the moments a
 // global spike hit): the same tensors clipped by the same factors and the same moments zeroed
-// as on the host, in every mode, with random faults and spikes on every rank.
+// as on the host, in every mode and with fp16's dynamic loss scale (the sums carry the scale),
+// with random faults and spikes on every rank.
 TEST(DeviceDecision, PerTensorPoliciesDecideAsTheHostInEveryMode) {
   const std::string llama =
       " --model.name llama --model.n_heads 4 --model.n_kv_heads 2 --model.multiple_of 32";
   for (const auto& [world, mode] : std::vector<std::pair<int, std::string>>{
-           {2, "ddp"}, {3, "sharded"}, {2, "fsdp --parallelism.overlap true" + llama}}) {
+           {2, "ddp"},
+           {3, "sharded"},
+           {2, "fsdp --parallelism.overlap true" + llama},
+           {2, "ddp --training.mixed_precision_param float16 --training.loss_scale dynamic "
+               "--training.loss_scale_growth_interval 5"}}) {
     SCOPED_TRACE(std::to_string(world) + " ranks, " + mode);
     std::string spikes;
     for (int step : {25, 40})
