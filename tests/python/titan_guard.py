@@ -147,7 +147,18 @@ def expect_resume_goes_on(assets, run_dir):
     assert same_bits(resumed.shards[STEPS], whole.shards[STEPS]), "the resumed run ended elsewhere"
 
 
+def expect_own_flags_taken_out():
+    """The example's command line: its two flags out, torchtitan's left in order."""
+    from torchtitan_guard import _own_flags
+
+    got = _own_flags(["--module", "llama3", "--lockstep-config=skip.toml", "--config",
+                      "llama3_8b", "--lockstep-run-dir", "runs/a", "--training.steps", "5"])
+    assert got == ("skip.toml", "runs/a", ["--module", "llama3", "--config", "llama3_8b",
+                                          "--training.steps", "5"]), got
+
+
 def main(run_dir, where):
+    expect_own_flags_taken_out()
     titan_on_cpu()
     from torchtitan.tools.logging import init_logger
 
