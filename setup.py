@@ -15,6 +15,7 @@ SOURCES = [
     "src/decide/detector.cpp",
     "src/decide/scope.cpp",
     "src/decide/device_decision.cpp",
+    "src/decide/tensor_policies.cpp",
     "src/diag/explain.cpp",
     "src/diag/event.cpp",
     "src/diag/fault.cpp",

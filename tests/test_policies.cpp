@@ -290,8 +290,7 @@ TEST(PolicyRun, ASkippedGlobalSpikeZeroesTheMomentsOfTheTensorsItHit) {
   }
 }
 
-// What cannot be honoured is refused: the per-tensor policies need skipping on, and the
-// PyTorch guard (which exchanges no per-tensor norms) refuses them (tests/python).
+// What cannot be honoured is refused: the per-tensor policies need skipping on.
 TEST(PolicyRun, ThePerTensorPoliciesNeedSkipping) {
   for (const char* text : {"[skip]\nadaptive_clip = \"adagc\"\n",
                            "[skip]\nspike_moment_reset = true\n"}) {

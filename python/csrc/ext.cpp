@@ -1,6 +1,7 @@
 // lockstep._C: the harness's own check, decision, counters and events, bound for PyTorch trainers
 // (python/lockstep/torch.py). Nothing here decides or checks anything itself: GradCheck
-// (src/check), SkipDetector and DeviceDecision (src/decide, over kernels/decision.h), count()
+// (src/check), SkipDetector, TensorPolicies and DeviceDecision (src/decide, over
+// kernels/decision.h), count()
 // (src/run_state), Explainer and the event schema (src/diag) and the config reader
 // (src/config.cpp) are the files the harness is built from. This file converts types.
 #include <torch/extension.h>
@@ -17,6 +18,7 @@
 #include "check/gradcheck.h"
 #include "decide/detector.h"
 #include "decide/device_decision.h"
+#include "decide/tensor_policies.h"
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "lockstep/config.h"
@@ -74,6 +76,7 @@ class Core {
         rank_(rank),
         world_(world),
         detector_(config_.skip, config_.training, world),
+        tensors_(config_.skip, names, nullptr),
         explainer_(config_.skip, config_.diagnostics.top_params, rank, unnamed(std::move(names)),
                    host, device),
         run_dir_(run_dir) {
@@ -139,9 +142,29 @@ class Core {
     return message;
   }
 
+  bool tensors_active() const { return tensors_.active(); }
+
+  // The per-tensor policies (skip.adaptive_clip = "adagc", skip.spike_moment_reset) of the
+  // decided step `v`, from every rank's per-tensor partial sums ([W, tensors] fp64, exchanged
+  // with the rows): each tensor's factor (1: untouched) and whether its AdamW moments reset, in
+  // the guard's parameter order; noted in `v`, the thresholds advanced on a taken step.
+  std::pair<std::vector<double>, std::vector<bool>> decide_tensors(const at::Tensor& sums,
+                                                                   Verdict& v) {
+    const TensorActions a = tensors_.decide(tensors_.norms(sums, v.loss_scale), v);
+    const std::vector<std::string>& names = tensors_.names();
+    std::vector<double> factors(names.size(), 1.0);
+    std::vector<bool> resets(names.size(), false);
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (const auto f = a.factors.find(names[i]); f != a.factors.end()) factors[i] = f->second;
+      resets[i] = a.reset.contains(names[i]);
+    }
+    return {factors, resets};
+  }
+
   std::string state() const {
     nlohmann::json j = counters_json(counters_);
     j["detector"] = detector_.state();
+    if (tensors_.active()) j["detector"]["tensors"] = tensors_.state();
     j["loss_scale"] = detector_.loss_scale_state();
     return j.dump();
   }
@@ -151,6 +174,8 @@ class Core {
     RunCounters c;
     read_counters(j, c);
     detector_.load_state(j.at("detector"));
+    if (tensors_.active() && j.at("detector").contains("tensors"))  // else: a fresh warm-up
+      tensors_.load_state(j.at("detector").at("tensors"));
     detector_.load_loss_scale(j.value("loss_scale", nlohmann::json::object()));
     if (config_.skip.reset_guards_on_resume) detector_.reset_guards();
     counters_ = c;
@@ -176,6 +201,7 @@ class Core {
   Config config_;
   int rank_, world_;
   SkipDetector detector_;
+  TensorPolicies tensors_;
   Explainer explainer_;
   std::string run_dir_;
   RunCounters counters_;
@@ -243,6 +269,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("clip_to", &Verdict::clip_to)
       .def_readonly("clip", &Verdict::clip)
       .def_readonly("loss_scale", &Verdict::loss_scale)
+      .def_readonly("tensors_clipped", &Verdict::tensors_clipped)
+      .def_readonly("moments_reset", &Verdict::moments_reset)
       .def_property_readonly("updates", &Verdict::updates)
       .def_property_readonly("anomalous", &Verdict::anomalous)
       .def("__repr__", [](const Verdict& v) {
@@ -275,6 +303,8 @@ PYBIND11_MODULE(_C, m) {
       .def("decide", &Core::decide, py::arg("table"))
       .def("decide_on_device", &Core::decide_on_device, py::arg("table"), py::arg("step"))
       .def("read_device", &Core::read_device, py::arg("step"))
+      .def("tensors_active", &Core::tensors_active)
+      .def("decide_tensors", &Core::decide_tensors, py::arg("sums"), py::arg("verdict"))
       .def("finish", &Core::finish, py::arg("verdict"), py::arg("table"), py::arg("mine"),
            py::arg("samples"), py::arg("lr"), py::arg("tokens"))
       .def("state", &Core::state)

@@ -52,8 +52,16 @@ class _Optimizers:
             self._step_supports_amp_scaling = True
 
     @property
+    def optimizers(self):
+        return self.container.optimizers
+
+    @property
     def param_groups(self):
         return [g for o in self.container.optimizers for g in o.param_groups]
+
+    @property
+    def state(self):  # each parameter's state, wherever its optimizer is
+        return {p: s for o in self.container.optimizers for p, s in o.state.items()}
 
     def step(self):
         # The container's own step (its class's, with its hooks: the guard's step stands in for

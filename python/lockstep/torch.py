@@ -39,9 +39,6 @@ HARNESS_ONLY = {  # the values the guard takes; others need lockstep's own train
     ("skip", "replay"): ("off",),
     ("diagnostics", "replay_every"): (0,),
     ("training", "loss_scale"): ("none",),
-    # per-tensor norms are not exchanged here (the guard's row is one per rank)
-    ("skip", "adaptive_clip"): ("off", "zclip"),
-    ("skip", "spike_moment_reset"): (False,),
     # the guard knows neither a step's tokens in advance nor its compute time
     ("skip", "max_consecutive_tokens"): (0,),
     ("skip", "max_consecutive_seconds"): (0,),
@@ -92,6 +89,13 @@ def _overrides(config, overrides):
             raise ConfigError(f"'{key}' is your trainer's setting, not the guard's; the guard "
                               f"reads {', '.join(k.rstrip('.') + ('*' if k.endswith('.') else '') for k in GUARD_KEYS)}")
     return [(k, _text(k, v)) for k, v in pairs]
+
+
+def _adam_like(optimizer):
+    """Whether every optimizer behind `optimizer` keeps Adam's moments (a container such as
+    torchtitan's is looked through)."""
+    inner = getattr(optimizer, "optimizers", None) or [optimizer]
+    return all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) for o in inner)
 
 
 def _grad_parts(params):
@@ -165,6 +169,11 @@ class SkipGuard:
                             self.names, self.run_dir, socket.gethostname(), str(device))
         self.config = json.loads(self.core.config_json())
         self._refuse_harness_only()
+        self._tensors = self.core.tensors_active()  # AdaGC's clip, SPAM's reset
+        if self.config["skip"]["spike_moment_reset"] and not _adam_like(optimizer):
+            raise ConfigError("invalid value for 'skip.spike_moment_reset': true needs Adam or "
+                              f"AdamW moments (exp_avg, exp_avg_sq); {type(optimizer).__name__} "
+                              "has none to reset; set it to false")
         self.on_device = self._decides_on_device()
         if self.run_dir:  # only for a valid config: a refused guard writes nothing
             os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
@@ -187,8 +196,15 @@ class SkipGuard:
 
     def _decides_on_device(self):
         """skip.device_decision: "auto" decides on the device with a fused Adam/AdamW (found_inf
-        and grad_scale, no host read) and lr_scheduler.on_skip = "advance"."""
+        and grad_scale, no host read) and lr_scheduler.on_skip = "advance"; the guard's
+        per-tensor policies decide on the host."""
         mode = self.config["skip"]["device_decision"]
+        if self._tensors:
+            if mode == "on":
+                raise ConfigError("invalid value for 'skip.device_decision': \"on\", but the "
+                                  "guard decides skip.adaptive_clip = \"adagc\" and "
+                                  "skip.spike_moment_reset on the host; set it to \"auto\"")
+            return False
         fused = bool(self.optimizer.defaults.get("fused")) and hasattr(self.optimizer, "_step_supports_amp_scaling")
         advance = self.config["lr_scheduler"]["on_skip"] == "advance"
         if mode == "on" and not (fused and advance):
@@ -300,7 +316,11 @@ class SkipGuard:
         params = [p for p in self.params if p.grad is not None]
         shard, grads = self._shard_stats(params)
         local = self._local_stats()
-        table = self._exchange(self._row(shard, local, loss, stop, sample_losses))
+        row = self._row(shard, local, loss, stop, sample_losses)
+        if self._tensors:  # each tensor's partial sum of squares rides in the same exchange
+            row = torch.cat([row, self._tensor_sums(shard, params)])
+        table = self._exchange(row)
+        sums, table = table[:, len(_C.STATS_FIELDS):], table[:, :len(_C.STATS_FIELDS)]
         mine = _C.LocalStep()
         mine.local_stats, mine.shard_stats = local, shard
         mine.sample_ids = list(map(int, sample_ids)) if sample_ids is not None else []
@@ -309,14 +329,41 @@ class SkipGuard:
         if self.on_device:
             return self._step_on_device(table, mine, loss, lr, tokens, sample_ids, sample_losses)
         v = self.core.decide(table)
+        factors = self._tensor_actions(sums, v, params)
         if v.updates:
             if v.clip < 1.0:
                 torch._foreach_mul_(grads, v.clip)
+            clipped = [(g, f) for g, f in zip(grads, factors) if f < 1.0]
+            if clipped:  # AdaGC: the tensors above their own bound, scaled down to it
+                torch._foreach_mul_([g for g, _ in clipped], [f for _, f in clipped])
             self.optimizer.step()
         self._advance_scheduler(v.updates)
         mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
         self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
         return v
+
+    def _tensor_sums(self, shard, params):
+        """This rank's partial sum of squares of every tensor, in the guard's parameter order
+        (0 for a parameter without a gradient this step)."""
+        head, n = _C.STATS_HEADER, len(params)
+        out = torch.zeros(len(self.params), dtype=torch.float64, device=shard.device)
+        index = torch.tensor([self._index[id(p)] for p in params], device=shard.device)
+        out[index] = shard[head + 1: head + 2 * n: 2]
+        return out
+
+    def _tensor_actions(self, sums, v, params):
+        """The per-tensor policies of the decided step (the harness's TensorPolicies, over the
+        exchanged sums): SPAM's reset zeroes the moments of the tensors a global spike hit
+        (now, skipped or not); returns AdaGC's factor for each of `params` (1: untouched)."""
+        if not self._tensors:
+            return [1.0] * len(params)
+        factors, resets = self.core.decide_tensors(sums, v)
+        for p, reset in zip(self.params, resets):
+            state = self.optimizer.state.get(p, {}) if reset else {}
+            for key in ("exp_avg", "exp_avg_sq"):  # the step counts stay, as in the harness
+                if key in state:
+                    state[key].zero_()
+        return [factors[self._index[id(p)]] for p in params]
 
     def _step_on_device(self, table, mine, loss, lr, tokens, sample_ids, sample_losses):
         found_inf, grad_scale = self.core.decide_on_device(table, self._step)

@@ -13,13 +13,6 @@
 
 namespace lockstep {
 
-void TensorActions::apply_to(AdamW& optimizer) const {
-  if (device_factors.defined())
-    return optimizer.apply_on_device(device_factors, device_resets, *order);
-  if (!reset.empty()) optimizer.reset_moments(reset);
-  if (!factors.empty()) optimizer.scale_gradients(factors);
-}
-
 TensorPolicies::TensorPolicies(const SkipConfig& skip, std::vector<std::string> names, Comm* comm)
     : rule_{skip.adaptive_clip == AdaptiveClip::kAdaGC ? 1 : 0, skip.spike_moment_reset ? 1 : 0,
             skip.adagc_lambda, skip.adagc_beta, skip.adagc_warmup},
@@ -63,25 +56,15 @@ TensorActions TensorPolicies::decide(const std::vector<double>& norms, Verdict& 
   return a;
 }
 
-namespace {
-
-// [3 + 2i + 1]: tensor i's sum of squares over this rank's part of the synced gradient.
-at::Tensor sums_of(const at::Tensor& shard_stats, int64_t tensors) {
-  return shard_stats.slice(0, kernels::kStatsHeader + 1, kernels::kStatsHeader + 2 * tensors, 2);
-}
-
-}  // namespace
-
-TensorActions TensorPolicies::step(const at::Tensor& shard_stats, Verdict& v) {
-  if (!needs_norms(v)) return {};
+at::Tensor TensorPolicies::sums_of(const at::Tensor& shard_stats) const {
+  // [3 + 2i + 1]: tensor i's sum of squares over this rank's part of the synced gradient
   const int64_t n = static_cast<int64_t>(names_.size());
-  const at::Tensor mine = sums_of(shard_stats, n).contiguous();
-  return decide(norms(all_gather_rows(comm_, mine), v.loss_scale), v);
+  return shard_stats.slice(0, kernels::kStatsHeader + 1, kernels::kStatsHeader + 2 * n, 2);
 }
 
 at::Tensor TensorPolicies::with_sums(const at::Tensor& row, const at::Tensor& shard_stats) const {
   if (!active()) return row;
-  return at::cat({row, sums_of(shard_stats, static_cast<int64_t>(names_.size()))});
+  return at::cat({row, sums_of(shard_stats)});
 }
 
 TensorStart TensorPolicies::device_start() const {

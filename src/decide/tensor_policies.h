@@ -7,7 +7,9 @@
 // travel in checkpoints with the detector's state; they do not depend on the world size.
 // Decided on the device (skip.device_decision), the sums ride along the step's one all-gather
 // (with_sums), the device decides every tensor and the optimizer acts on what it wrote; a step
-// later the host decides the same from the copied sums and checks they agree (mirror).
+// later the host decides the same from the copied sums and checks they agree (mirror). The
+// PyTorch guard runs the same decide() over sums it exchanges itself (python/csrc/ext.cpp);
+// step() and TensorActions::apply_to, lockstep's own step's side, are in tensor_step.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,10 +51,10 @@ class TensorPolicies {
   TensorPolicies(const SkipConfig& skip, std::vector<std::string> names, Comm* comm);
   bool active() const { return rule_.clip != 0 || rule_.reset != 0; }
 
-  // The per-tensor part of the decided step `v` from this rank's check [B] stats buffer
-  // (kernels/gradcheck.h's layout): the factors of a taken step, the tensors a global spike hit;
-  // notes them in `v` (tensors_clipped, moments_reset) and advances the thresholds on a taken
-  // step. Collective on the steps that need the norms: every rank calls it with the same
+  // (tensor_step.cpp) The per-tensor part of the decided step `v` from this rank's check [B]
+  // stats buffer (kernels/gradcheck.h's layout): the factors of a taken step, the tensors a
+  // global spike hit; notes them in `v` (tensors_clipped, moments_reset) and advances the
+  // thresholds on a taken step. Collective on the steps that need the norms: every rank calls it with the same
   // verdict, so all gather or none do.
   TensorActions step(const at::Tensor& shard_stats, Verdict& v);
 
@@ -62,6 +64,8 @@ class TensorPolicies {
   // thresholds it advances on a taken step).
   TensorActions decide(const std::vector<double>& norms, Verdict& v);
 
+  // This rank's per-tensor partial sums of squares (fp64, strided) from check [B]'s stats.
+  at::Tensor sums_of(const at::Tensor& shard_stats) const;
   // On the device: this rank's row of stats `row` followed by its per-tensor sums from check
   // [B]'s `shard_stats` (the row alone when neither policy is on), for the one all-gather.
   at::Tensor with_sums(const at::Tensor& row, const at::Tensor& shard_stats) const;
@@ -73,6 +77,7 @@ class TensorPolicies {
   // factors or resets differ, a bug.
   void mirror(int64_t step, const DeviceDecision::Late& late, Verdict& v);
 
+  const std::vector<std::string>& names() const { return names_; }
   int64_t taken() const { return count_; }
   const std::vector<double>& thresholds() const { return gamma_; }
   nlohmann::json state() const;

@@ -6,7 +6,7 @@ reproduces the rest of the run, and the device path (fused AdamW, found_inf) dec
 host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
-Scenarios: ddp, fsdp, resume, device. Exit 0 and "ok" on success.
+Scenarios: ddp, fsdp, resume, device, adagc. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -48,12 +48,12 @@ def forward_backward(m, step, rank, first_param, faults):
     logits = m(x)
     per_sample = torch.nn.functional.cross_entropy(
         logits.reshape(-1, VOCAB), y.reshape(-1), reduction="none").view(BATCH, SEQ).mean(1)
-    kind = faults.get(step) if rank == 1 else None
+    kind = faults.get(step) if rank == 1 or faults.get(step) == "spike_all" else None
     handle = None
     if kind == "nan_loss":  # one poisoned sample of rank 1's batch (the third)
         per_sample = per_sample * torch.tensor([1.0, 1.0, float("nan"), 1.0])
     loss = per_sample.mean()
-    if kind == "spike":
+    if kind in ("spike", "spike_all"):  # spike_all: every rank's loss, a global spike
         loss = loss * 1000.0
     elif kind == "nan_grad":  # rank 1's own gradient of one tensor, before any collective
         handle = first_param.register_hook(lambda g: g * float("nan"))
@@ -165,6 +165,50 @@ def fsdp(run_dir):
             assert decision == "step", (step, decision, reasons)
 
 
+def adagc(run_dir):
+    """The per-tensor policies in the guard, with FSDP2: AdaGC clips tensors after its warm-up
+    and SPAM's reset zeroes the AdamW moments of the tensors a global spike hit (a loss spike on
+    every rank at step 12, skipped), the same on every rank; the thresholds ride in the guard's
+    state_dict and a guard loaded from it decides the next steps alike."""
+    from torch.distributed.fsdp import fully_shard
+    rank = dist.get_rank()
+    m = model()
+    for block in m.layers:
+        fully_shard(block)
+    fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    policy = dict(skip_adaptive_clip="adagc", skip_adagc_warmup=4, skip_spike_moment_reset=True,
+                  skip_on_global_spike="skip")
+    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, **policy)
+    names = dict(zip(map(id, guard.params), guard.names))
+    seen, clipped = [], 0
+    for step in range(1, 17):
+        opt.zero_grad(set_to_none=True)
+        loss, _, _ = forward_backward(m, step, rank, None, {12: "spike_all"})
+        before = snapshot(m, opt)[:len(list(m.parameters()))]
+        v = guard.step(loss)
+        seen.append((step, v.decision, v.tensors_clipped, list(v.moments_reset)))
+        clipped += v.tensors_clipped
+        if step == 12:
+            assert v.decision == "skip" and v.scope == "global" and v.moments_reset, seen[-1]
+            assert bitwise_equal(before, snapshot(m, opt)[:len(before)]), "a skip changed weights"
+            for p in m.parameters():
+                state = opt.state[p]
+                zero = all(int(torch.count_nonzero(state[k]._local_tensor)) == 0
+                           for k in ("exp_avg", "exp_avg_sq"))
+                assert zero == (names[id(p)] in v.moments_reset), (names[id(p)], zero)
+        else:
+            assert v.decision == "step", seen[-1]
+        if step == 14:
+            saved = guard.state_dict()
+    agreed(seen)
+    assert clipped > 0 and guard.counters["tensor_clips"] == clipped, (clipped, guard.counters)
+    assert json.loads(saved["lockstep"])["detector"]["tensors"]["taken"] == 13, saved
+    other = lt.SkipGuard(opt, SKIP, model=m, **policy)
+    other.load_state_dict(saved)
+    assert other.core.state() == saved["lockstep"], "the thresholds round-trip"
+
+
 def resume(run_dir):
     """State saved with torch.distributed.checkpoint at step 10 (mid-window, after a skip);
     a fresh model, optimizer and guard loaded from it run steps 11-20 as the first run did."""
@@ -226,7 +270,8 @@ def main():
         shutil.rmtree(run_dir, ignore_errors=True)
     dist.barrier()
     try:
-        {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device}[scenario](run_dir)
+        {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
+         "adagc": adagc}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
     finally:
