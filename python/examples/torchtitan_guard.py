@@ -111,12 +111,15 @@ class GuardedTrainer(titan.Trainer):
 
     @contextlib.contextmanager
     def _lockstep_owns_the_step(self):
-        clip, step = titan.dist_utils.clip_grad_norm_, self.optimizers.step
+        # For one train step: torchtitan's clip and its optimizers' step (an instance attribute
+        # over the class's, which _Optimizers.step calls) become the guard's.
+        clip = titan.dist_utils.clip_grad_norm_
         titan.dist_utils.clip_grad_norm_, self.optimizers.step = self._no_clip, self._guarded_step
         try:
             yield
         finally:
-            titan.dist_utils.clip_grad_norm_, self.optimizers.step = clip, step
+            titan.dist_utils.clip_grad_norm_ = clip
+            del self.optimizers.step
 
     def train_step(self, data_iterator):
         self._loss = None
