@@ -26,9 +26,9 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
     // A stop signal ends this rank's own batch after the micro-batch in flight (the ranks agree
     // on it in the step's exchange: nothing of the step lands, the run stops before it).
-    // (Not in fsdp: every micro-batch's forward gathers with every rank.)
+    // (Not where every forward is collective: fsdp's gathers with every rank.)
     if (micro > 0 && index == 0 && StopSignals::received() != 0 &&
-        job.config.parallelism.mode != ParallelMode::kFsdp) {
+        !job.dp->collective_forward()) {
       out.interrupted = true;
       break;
     }

@@ -64,7 +64,8 @@ void verify(Job& job, int64_t& last_verified) {
 }
 
 void validate(Job& job, Progress& progress) {
-  const ValidationResult v = job.validator->run(*job.model, job.comm.get());
+  const ValidationResult v =
+      job.validator->run(*job.model, job.comm.get(), job.dp->collective_forward());
   progress.validation_done(job.state.step, v.loss, v.perplexity, v.samples, v.seconds);
 }
 

@@ -197,6 +197,26 @@ TEST(Fsdp, ASkippedStepChangesNothing) {
   }
 }
 
+// Validation in fsdp, where every forward gathers with every rank: 2047 held-out samples on 3
+// ranks, one a batch, give rank 0 one forward more than the others; they run it too (uncounted),
+// so the evaluation ends, counts every sample once, and gives sharded mode's loss.
+TEST(Fsdp, ValidationWithUnevenSharesEndsAndCountsEverySampleOnce) {
+  test::TempDir dir;
+  const std::string args = " --validation.enable true --validation.freq 2"
+                           " --validation.local_batch_size 1 --checkpoint.enable false";
+  std::map<std::string, json> last;
+  for (const char* mode : {"fsdp", "sharded"}) {
+    CliRun r = run(3, llama_args(dir / mode, 2, 3, args + " --parallelism.mode " + mode));
+    ASSERT_EQ(r.code, 0) << mode << "\n" << r.out;
+    for (const json& m : test::read_jsonl(dir / (std::string(mode) + "/metrics.jsonl")))
+      if (m.value("event", "") == "validation") last[mode] = m;
+  }
+  ASSERT_EQ(last["fsdp"].value("samples", 0), 2047) << last["fsdp"];
+  EXPECT_EQ(last["sharded"].value("samples", 0), 2047);
+  EXPECT_NEAR(last["fsdp"]["val_loss"].get<double>(), last["sharded"]["val_loss"].get<double>(),
+              1e-5 * last["sharded"]["val_loss"].get<double>());
+}
+
 // Recomputing blocks in backward gives the same gradients as keeping their activations, bit for
 // bit, dropout masks included: the same losses, norms and final weights, in every mode.
 TEST(ActivationCheckpoint, GradientsEqualNoRecomputationBitForBit) {

@@ -36,7 +36,7 @@ std::string Validator::describe() const {
                      config_.training.seq_len, batch_);
 }
 
-ValidationResult Validator::run(const Model& model, Comm* comm) const {
+ValidationResult Validator::run(const Model& model, Comm* comm, bool collective_forward) const {
   const auto start = Clock::now();
   const at::NoGradGuard no_grad;
   const int64_t T = config_.training.seq_len, W = ranks_.world_size;
@@ -44,11 +44,11 @@ ValidationResult Validator::run(const Model& model, Comm* comm) const {
   // This rank's share: ids rank, rank + W, rank + 2W, ... below samples_, in batches.
   std::vector<int64_t> mine;
   for (int64_t id = ranks_.rank; id < samples_; id += W) mine.push_back(id);
-  // fsdp gathers parameters with every rank in each forward: there every rank runs as many
-  // batches as rank 0 (the most), a rank with fewer repeating its last one uncounted.
+  // A collective forward (fsdp gathers parameters with every rank in each): every rank runs as
+  // many batches as rank 0 (the most), a rank with fewer repeating its last one uncounted.
   const auto B = static_cast<size_t>(batch_);
   const size_t most = static_cast<size_t>((samples_ + W - 1) / W);
-  const size_t rounds = (config_.parallelism.mode == ParallelMode::kFsdp ? most : mine.size());
+  const size_t rounds = collective_forward ? most : mine.size();
   for (size_t first = 0; first < rounds; first += B) {
     const bool counted = first < mine.size();
     const size_t from = counted ? first : (mine.empty() ? 0 : mine.size() - 1);

@@ -34,8 +34,9 @@ class Validator {
 
   // validation.freq divides the step, or it is the last one.
   bool due(int64_t step) const;
-  // Evaluates `model`; every rank calls it (`comm` null: one rank).
-  ValidationResult run(const Model& model, Comm* comm) const;
+  // Evaluates `model`; every rank calls it (`comm` null: one rank). `collective_forward`: every
+  // forward involves every rank (fsdp), so every rank runs as many as the one with the most.
+  ValidationResult run(const Model& model, Comm* comm, bool collective_forward = false) const;
   std::string describe() const;
 
  private:

@@ -100,6 +100,9 @@ class DataParallel {
   // The collectives of one forward and backward that another rank computes (fsdp: its
   // gathers, in the same order); nothing in ddp and sharded.
   virtual void bystand_computation() {}
+  // Every forward is collective (fsdp: it gathers parameters with every rank), so no rank may
+  // stop a batch alone or run fewer forwards than the others; ddp and sharded forward alone.
+  virtual bool collective_forward() const { return false; }
   virtual at::Tensor local_stats() { return {}; }
   // The gradient sync's buckets (null with one rank, and in sharded mode without overlap).
   const GradientBuckets* buckets() const { return buckets_.get(); }

@@ -174,6 +174,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
   }
 
   bool checks_local() const override { return overlap_; }
+  bool collective_forward() const override { return true; }
   // The gathers of a forward and a backward, as the hooks issue them, with nothing computed.
   void bystand_computation() override {
     const int n = static_cast<int>(units_.size());
