@@ -11,6 +11,7 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 SOURCES = [
     "python/csrc/ext.cpp",
     "kernels/gradcheck_cpu.cpp",
+    "kernels/tensor_actions_cpu.cpp",
     "src/check/gradcheck.cpp",
     "src/decide/detector.cpp",
     "src/decide/scope.cpp",
@@ -25,7 +26,8 @@ SOURCES = [
     "src/fsutil.cpp",
     "src/model/size.cpp",
 ]
-CUDA_SOURCES = ["kernels/gradcheck.cu", "kernels/decision.cu", "src/check/gradcheck_cuda.cpp"]
+CUDA_SOURCES = ["kernels/gradcheck.cu", "kernels/decision.cu", "kernels/tensor_actions.cu",
+                "src/check/gradcheck_cuda.cpp"]
 
 
 def with_cuda():

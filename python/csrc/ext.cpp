@@ -21,9 +21,14 @@
 #include "decide/tensor_policies.h"
 #include "diag/event.h"
 #include "diag/explain.h"
+#include "kernels/tensor_actions.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
 #include "run_state.h"
+
+#ifdef LOCKSTEP_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace py = pybind11;
 
@@ -89,20 +94,26 @@ class Core {
   Verdict decide(const at::Tensor& table) const { return detector_.decide(rows_of(table)); }
 
   // The device decision of `step` (its own state, uploaded from the host's at the first call):
-  // found_inf and grad_scale on the table's device, for the fused optimizer.
-  std::pair<at::Tensor, at::Tensor> decide_on_device(const at::Tensor& table, int64_t step) {
+  // found_inf and grad_scale on the table's device, for the fused optimizer; with the
+  // per-tensor policies (the table's rows then end with each rank's per-tensor sums) each
+  // tensor's factor and reset flag there too (else None).
+  py::tuple decide_on_device(const at::Tensor& table, int64_t step) {
     if (!device_)
-      device_ = std::make_unique<DeviceDecision>(table.device(), world_, detector_);
+      device_ = std::make_unique<DeviceDecision>(table.device(), world_, detector_,
+                                                 tensors_.device_start());
     const DeviceDecision::Update u = device_->decide(table, step);
-    return {u.found_inf, u.grad_scale};
+    if (!u.factors.defined()) return py::make_tuple(u.found_inf, u.grad_scale, py::none(), py::none());
+    return py::make_tuple(u.found_inf, u.grad_scale, u.factors, u.resets);
   }
 
   // What the device decided at `step` (one of the last two), decided again on the host from
-  // the same table; they must agree bit for bit (else an error naming both).
+  // the same table (the per-tensor part too); they must agree bit for bit (else an error
+  // naming both).
   std::pair<Verdict, at::Tensor> read_device(int64_t step) {
     const DeviceDecision::Late late = device_->read(step);
     Verdict v = detector_.decide(late.table);
     expect_same_decision(step, v, v.clip, late);
+    tensors_.mirror(step, late, v);
     return {v, table_of(late.table)};
   }
 
@@ -238,6 +249,38 @@ class Check {
   std::vector<const void*> pointers_;
 };
 
+// The per-tensor actions decided on the device, applied where `values` lives with no host
+// read (kernels/tensor_actions.h): `targets` (contiguous fp32) each read values[index[i]];
+// op 0 multiplies by it (1: untouched), op 1 zeroes when it is 1.
+void apply_tensor_values(const std::vector<at::Tensor>& targets,
+                         const std::vector<int32_t>& index, const at::Tensor& values, int op) {
+  if (targets.size() != index.size())
+    throw std::invalid_argument(fmt::format("{} targets for {} indices", targets.size(),
+                                            index.size()));
+  std::vector<kernels::TensorTarget> t;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (targets[i].scalar_type() != at::kFloat || !targets[i].is_contiguous() ||
+        targets[i].device() != values.device())
+      throw std::invalid_argument("the per-tensor actions take contiguous fp32 tensors on the "
+                                  "values' device");
+    t.push_back({targets[i].data_ptr<float>(), targets[i].numel(), index[i]});
+  }
+  if (t.empty()) return;
+  const auto o = static_cast<kernels::TensorOp>(op);
+  const float* v = values.const_data_ptr<float>();
+  if (!values.is_cuda())
+    return kernels::apply_tensor_values_cpu(t.data(), static_cast<int>(t.size()), v, o);
+#ifdef LOCKSTEP_WITH_CUDA
+  const auto stream = c10::cuda::getCurrentCUDAStream(values.device().index());
+  const int err = kernels::launch_apply_tensor_values(t.data(), static_cast<int>(t.size()), v, o,
+                                                      stream.stream());
+  if (err != 0)
+    throw std::runtime_error(fmt::format("the per-tensor actions: CUDA error {}", err));
+#else
+  throw std::invalid_argument("this lockstep package was built without CUDA");
+#endif
+}
+
 }  // namespace
 }  // namespace lockstep
 
@@ -310,6 +353,9 @@ PYBIND11_MODULE(_C, m) {
       .def("state", &Core::state)
       .def("load_state", &Core::load_state, py::arg("text"))
       .def("counters", &Core::counters);
+
+  m.def("apply_tensor_values", &apply_tensor_values, py::arg("targets"), py::arg("index"),
+        py::arg("values"), py::arg("op"));
 
   py::class_<Check>(m, "Check")
       .def(py::init<std::vector<std::string>, int64_t, int64_t>(), py::arg("names"),

@@ -98,6 +98,26 @@ def _adam_like(optimizer):
     return all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) for o in inner)
 
 
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _apply_values(targets, index, values, op):
+    """targets[i] x values[index[i]] (op 0; 1: untouched), or zeroed where it is 1 (op 1), on the
+    values' device with no host read: lockstep's kernel for contiguous fp32 tensors, torch's ops
+    (a pass over each) for the others."""
+    fast = [t.dtype == torch.float32 and t.is_contiguous() for t in targets]
+    _C.apply_tensor_values([t for t, f in zip(targets, fast) if f],
+                           [i for i, f in zip(index, fast) if f], values, op)
+    for t, i, f in zip(targets, index, fast):
+        if f:
+            continue
+        if op == 0:
+            t.mul_(values[i])
+        else:
+            t.masked_fill_(values[i] == 1, 0)
+
+
 def _grad_parts(params):
     """The gradients to check and whether they are shards: FSDP2's DTensor gradients are each
     rank's own Shard(0) pieces; plain tensors are whole (DDP: the same on every rank)."""
@@ -179,6 +199,7 @@ class SkipGuard:
             os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
         self._step = 0
         self._checks = {}
+        self._sum_index = {}
         self._local_parts = []
         self._pending = None
         self.last_verdict = None
@@ -196,15 +217,8 @@ class SkipGuard:
 
     def _decides_on_device(self):
         """skip.device_decision: "auto" decides on the device with a fused Adam/AdamW (found_inf
-        and grad_scale, no host read) and lr_scheduler.on_skip = "advance"; the guard's
-        per-tensor policies decide on the host."""
+        and grad_scale, no host read) and lr_scheduler.on_skip = "advance"."""
         mode = self.config["skip"]["device_decision"]
-        if self._tensors:
-            if mode == "on":
-                raise ConfigError("invalid value for 'skip.device_decision': \"on\", but the "
-                                  "guard decides skip.adaptive_clip = \"adagc\" and "
-                                  "skip.spike_moment_reset on the host; set it to \"auto\"")
-            return False
         fused = bool(self.optimizer.defaults.get("fused")) and hasattr(self.optimizer, "_step_supports_amp_scaling")
         advance = self.config["lr_scheduler"]["on_skip"] == "advance"
         if mode == "on" and not (fused and advance):
@@ -319,15 +333,15 @@ class SkipGuard:
         row = self._row(shard, local, loss, stop, sample_losses)
         if self._tensors:  # each tensor's partial sum of squares rides in the same exchange
             row = torch.cat([row, self._tensor_sums(shard, params)])
-        table = self._exchange(row)
-        sums, table = table[:, len(_C.STATS_FIELDS):], table[:, :len(_C.STATS_FIELDS)]
+        whole = self._exchange(row)
+        sums, table = whole[:, len(_C.STATS_FIELDS):], whole[:, :len(_C.STATS_FIELDS)]
         mine = _C.LocalStep()
         mine.local_stats, mine.shard_stats = local, shard
         mine.sample_ids = list(map(int, sample_ids)) if sample_ids is not None else []
         mine.sample_losses = list(map(float, sample_losses)) if sample_losses is not None else []
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if self.on_device:
-            return self._step_on_device(table, mine, loss, lr, tokens, sample_ids, sample_losses)
+        if self.on_device:  # the per-tensor sums, if any, go along
+            return self._step_on_device(whole, mine, loss, lr, tokens, sample_ids, sample_losses)
         v = self.core.decide(table)
         factors = self._tensor_actions(sums, v, params)
         if v.updates:
@@ -347,8 +361,10 @@ class SkipGuard:
         (0 for a parameter without a gradient this step)."""
         head, n = _C.STATS_HEADER, len(params)
         out = torch.zeros(len(self.params), dtype=torch.float64, device=shard.device)
-        index = torch.tensor([self._index[id(p)] for p in params], device=shard.device)
-        out[index] = shard[head + 1: head + 2 * n: 2]
+        key = tuple(map(id, params))
+        if key not in self._sum_index:  # built once per set of parameters with gradients
+            self._sum_index[key] = torch.tensor([self._index[i] for i in key], device=shard.device)
+        out[self._sum_index[key]] = shard[head + 1: head + 2 * n: 2]
         return out
 
     def _tensor_actions(self, sums, v, params):
@@ -365,8 +381,24 @@ class SkipGuard:
                     state[key].zero_()
         return [factors[self._index[id(p)]] for p in params]
 
+    def _tensor_actions_on_device(self, factors, resets):
+        """The per-tensor policies decided on the device, applied there with no host read
+        (lockstep's kernel for fp32 tensors, which touches only the tensors acted on)."""
+        params = [p for p in self.params if p.grad is not None]
+        moments, where = [], []
+        for p in self.params:
+            state = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    moments.append(_local(state[key]))
+                    where.append(self._index[id(p)])
+        _apply_values(moments, where, resets, 1)
+        _apply_values(_grad_parts(params)[0], [self._index[id(p)] for p in params], factors, 0)
+
     def _step_on_device(self, table, mine, loss, lr, tokens, sample_ids, sample_losses):
-        found_inf, grad_scale = self.core.decide_on_device(table, self._step)
+        found_inf, grad_scale, factors, resets = self.core.decide_on_device(table, self._step)
+        if factors is not None:
+            self._tensor_actions_on_device(factors, resets)
         self.optimizer.found_inf, self.optimizer.grad_scale = found_inf, grad_scale
         try:
             self.optimizer.step()

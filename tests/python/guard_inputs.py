@@ -36,10 +36,6 @@ def main():
     sgd = torch.optim.SGD(torch.nn.Linear(4, 4).parameters(), lr=0.1)
     refused("invalid value for 'skip.spike_moment_reset': true needs Adam or AdamW moments", sgd,
             run_dir=run_dir, skip_enabled=True, skip_spike_moment_reset=True)
-    fused = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), fused=True)
-    refused("invalid value for 'skip.device_decision': \"on\", but the guard decides "
-            "skip.adaptive_clip = \"adagc\"", fused, run_dir=run_dir, skip_enabled=True,
-            skip_adaptive_clip="adagc", skip_device_decision="on")
     refused("invalid value for 'skip.max_consecutive_tokens': 4096 needs lockstep's own trainer",
             opt, run_dir=run_dir, skip_max_consecutive_tokens=4096)
     refused("invalid value for 'skip.max_grad_norm'", opt, {"skip.max_grad_norm": -1},

@@ -6,7 +6,7 @@ reproduces the rest of the run, and the device path (fused AdamW, found_inf) dec
 host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
-Scenarios: ddp, fsdp, resume, device, adagc. Exit 0 and "ok" on success.
+Scenarios: ddp, fsdp, resume, device, adagc, adagc-device. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -209,6 +209,40 @@ def adagc(run_dir):
     assert other.core.state() == saved["lockstep"], "the thresholds round-trip"
 
 
+def adagc_device(run_dir):
+    """The per-tensor policies through the fused AdamW (the device path: each tensor's factor and
+    reset applied on the device, verdicts read a step late) as on the host, with FSDP2: the same
+    decisions, clips and resets at the same steps, and the same bits (no global clip:
+    max_norm 0, so grad_scale is 1)."""
+    from torch.distributed.fsdp import fully_shard
+    rank = dist.get_rank()
+    runs, ends = [], []
+    for mode in ("off", "auto"):
+        m = model()
+        for block in m.layers:
+            fully_shard(block)
+        fully_shard(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        guard = lt.SkipGuard(opt, SKIP, model=m, training_max_norm=0.0, skip_device_decision=mode,
+                             skip_adaptive_clip="adagc", skip_adagc_warmup=4,
+                             skip_spike_moment_reset=True, skip_on_global_spike="skip")
+        assert guard.on_device == (mode == "auto"), mode
+        seen = []
+        for step in range(1, 17):
+            opt.zero_grad(set_to_none=True)
+            loss, _, _ = forward_backward(m, step, rank, None, {12: "spike_all"})
+            for v in (guard.step(loss),) + ((guard.flush(),) if step == 16 else ()):
+                if v is not None:
+                    seen.append((v.decision, v.tensors_clipped, list(v.moments_reset)))
+        runs.append(seen)
+        ends.append(snapshot(m, opt))
+    agreed(runs[1])
+    assert runs[0] == runs[1], f"host and device decided differently:\n{runs[0]}\n{runs[1]}"
+    assert len(runs[1]) == 16 and runs[1][11][0] == "skip" and runs[1][11][2], runs[1][11]
+    assert sum(c for _, c, _ in runs[1]) > 0, "AdaGC clipped tensors"
+    assert bitwise_equal(ends[0], ends[1]), "host and device paths ended at different bits"
+
+
 def resume(run_dir):
     """State saved with torch.distributed.checkpoint at step 10 (mid-window, after a skip);
     a fresh model, optimizer and guard loaded from it run steps 11-20 as the first run did."""
@@ -271,7 +305,7 @@ def main():
     dist.barrier()
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
-         "adagc": adagc}[scenario](run_dir)
+         "adagc": adagc, "adagc-device": adagc_device}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
     finally:
