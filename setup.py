@@ -17,6 +17,7 @@ SOURCES = [
     "src/decide/scope.cpp",
     "src/decide/device_decision.cpp",
     "src/decide/tensor_policies.cpp",
+    "src/optim/tensor_values.cpp",
     "src/diag/explain.cpp",
     "src/diag/event.cpp",
     "src/diag/fault.cpp",

@@ -21,14 +21,10 @@
 #include "decide/tensor_policies.h"
 #include "diag/event.h"
 #include "diag/explain.h"
-#include "kernels/tensor_actions.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
+#include "optim/tensor_values.h"
 #include "run_state.h"
-
-#ifdef LOCKSTEP_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace py = pybind11;
 
@@ -249,38 +245,6 @@ class Check {
   std::vector<const void*> pointers_;
 };
 
-// The per-tensor actions decided on the device, applied where `values` lives with no host
-// read (kernels/tensor_actions.h): `targets` (contiguous fp32) each read values[index[i]];
-// op 0 multiplies by it (1: untouched), op 1 zeroes when it is 1.
-void apply_tensor_values(const std::vector<at::Tensor>& targets,
-                         const std::vector<int32_t>& index, const at::Tensor& values, int op) {
-  if (targets.size() != index.size())
-    throw std::invalid_argument(fmt::format("{} targets for {} indices", targets.size(),
-                                            index.size()));
-  std::vector<kernels::TensorTarget> t;
-  for (size_t i = 0; i < targets.size(); ++i) {
-    if (targets[i].scalar_type() != at::kFloat || !targets[i].is_contiguous() ||
-        targets[i].device() != values.device())
-      throw std::invalid_argument("the per-tensor actions take contiguous fp32 tensors on the "
-                                  "values' device");
-    t.push_back({targets[i].data_ptr<float>(), targets[i].numel(), index[i]});
-  }
-  if (t.empty()) return;
-  const auto o = static_cast<kernels::TensorOp>(op);
-  const float* v = values.const_data_ptr<float>();
-  if (!values.is_cuda())
-    return kernels::apply_tensor_values_cpu(t.data(), static_cast<int>(t.size()), v, o);
-#ifdef LOCKSTEP_WITH_CUDA
-  const auto stream = c10::cuda::getCurrentCUDAStream(values.device().index());
-  const int err = kernels::launch_apply_tensor_values(t.data(), static_cast<int>(t.size()), v, o,
-                                                      stream.stream());
-  if (err != 0)
-    throw std::runtime_error(fmt::format("the per-tensor actions: CUDA error {}", err));
-#else
-  throw std::invalid_argument("this lockstep package was built without CUDA");
-#endif
-}
-
 }  // namespace
 }  // namespace lockstep
 
@@ -354,8 +318,15 @@ PYBIND11_MODULE(_C, m) {
       .def("load_state", &Core::load_state, py::arg("text"))
       .def("counters", &Core::counters);
 
-  m.def("apply_tensor_values", &apply_tensor_values, py::arg("targets"), py::arg("index"),
-        py::arg("values"), py::arg("op"));
+  // The per-tensor actions decided on the device (optim/tensor_values.h): op 0 multiplies each
+  // target by values[index] (1: untouched), op 1 zeroes it where that is 1.
+  m.def(
+      "apply_tensor_values",
+      [](const std::vector<at::Tensor>& targets, const std::vector<int32_t>& index,
+         const at::Tensor& values, int op) {
+        apply_tensor_values(targets, index, values, static_cast<kernels::TensorOp>(op));
+      },
+      py::arg("targets"), py::arg("index"), py::arg("values"), py::arg("op"));
 
   py::class_<Check>(m, "Check")
       .def(py::init<std::vector<std::string>, int64_t, int64_t>(), py::arg("names"),

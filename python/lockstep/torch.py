@@ -375,11 +375,15 @@ class SkipGuard:
             return [1.0] * len(params)
         factors, resets = self.core.decide_tensors(sums, v)
         for p, reset in zip(self.params, resets):
-            state = self.optimizer.state.get(p, {}) if reset else {}
-            for key in ("exp_avg", "exp_avg_sq"):  # the step counts stay, as in the harness
-                if key in state:
-                    state[key].zero_()
+            for moment in self._moments(p) if reset else []:
+                moment.zero_()
         return [factors[self._index[id(p)]] for p in params]
+
+    def _moments(self, p):
+        """Adam's moments of `p` (none before its first step); the step counts stay, as in the
+        harness."""
+        state = self.optimizer.state.get(p, {})
+        return [state[key] for key in ("exp_avg", "exp_avg_sq") if key in state]
 
     def _tensor_actions_on_device(self, factors, resets):
         """The per-tensor policies decided on the device, applied there with no host read
@@ -387,11 +391,9 @@ class SkipGuard:
         params = [p for p in self.params if p.grad is not None]
         moments, where = [], []
         for p in self.params:
-            state = self.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    moments.append(_local(state[key]))
-                    where.append(self._index[id(p)])
+            for moment in self._moments(p):
+                moments.append(_local(moment))
+                where.append(self._index[id(p)])
         _apply_values(moments, where, resets, 1)
         _apply_values(_grad_parts(params)[0], [self._index[id(p)] for p in params], factors, 0)
 

@@ -4,9 +4,6 @@
 #include <ATen/ops/slice.h>
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <cmath>
-
 #include "decide/detector.h"
 #include "kernels/gradcheck.h"
 #include "lockstep/error.h"

@@ -17,11 +17,7 @@
 #endif
 
 #include "kernels/decision.h"
-#include "kernels/tensor_actions.h"
-
-#ifdef LOCKSTEP_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
+#include "optim/tensor_values.h"
 
 namespace lockstep {
 
@@ -162,32 +158,6 @@ void AdamW::reset_moments(const std::unordered_set<std::string>& names) {
       }
 }
 
-namespace {
-
-// Applies `values` to `targets` where they live, on the current stream of a GPU.
-void apply_values(const std::vector<kernels::TensorTarget>& targets, const at::Tensor& values,
-                  kernels::TensorOp op) {
-  if (targets.empty()) return;
-  const float* v = values.const_data_ptr<float>();
-  const int n = static_cast<int>(targets.size());
-  if (!values.is_cuda()) return kernels::apply_tensor_values_cpu(targets.data(), n, v, op);
-#ifdef LOCKSTEP_WITH_CUDA
-  const auto stream = c10::cuda::getCurrentCUDAStream(values.device().index());
-  const int err = kernels::launch_apply_tensor_values(targets.data(), n, v, op, stream.stream());
-  if (err != 0)
-    throw std::runtime_error("the per-tensor actions: kernel launch failed with CUDA error " +
-                             std::to_string(err));
-#endif
-}
-
-kernels::TensorTarget target_of(at::Tensor& t, int32_t index) {
-  if (t.scalar_type() != at::kFloat || !t.is_contiguous())
-    throw std::logic_error("the per-tensor actions need contiguous fp32 optimizer tensors");
-  return {t.data_ptr<float>(), t.numel(), index};
-}
-
-}  // namespace
-
 void AdamW::apply_on_device(const at::Tensor& factors, const at::Tensor& resets,
                             const std::vector<std::string>& order) {
   if (order_index_.empty()) {
@@ -198,21 +168,22 @@ void AdamW::apply_on_device(const at::Tensor& factors, const at::Tensor& resets,
       for (const auto& name : g.names) order_index_.back().push_back(place.at(name));
     }
   }
-  std::vector<kernels::TensorTarget> grads, moments;
+  std::vector<at::Tensor> grads, moments;
+  std::vector<int32_t> grad_index, moment_index;
   for (size_t k = 0; k < groups_.size(); ++k) {
     Group& g = groups_[k];
     for (size_t i = 0; i < g.params.size(); ++i) {
       const int32_t index = order_index_[k][i];
       at::Tensor& p = g.params[i];
       if (!g.grads[i].defined() && !p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
-      at::Tensor grad = g.grads[i].defined() ? g.grads[i] : p.mutable_grad();
-      grads.push_back(target_of(grad, index));
-      moments.push_back(target_of(g.exp_avgs[i], index));
-      moments.push_back(target_of(g.exp_avg_sqs[i], index));
+      grads.push_back(g.grads[i].defined() ? g.grads[i] : p.grad());
+      grad_index.push_back(index);
+      moments.insert(moments.end(), {g.exp_avgs[i], g.exp_avg_sqs[i]});
+      moment_index.insert(moment_index.end(), {index, index});
     }
   }
-  apply_values(moments, resets, kernels::kZeroIf);
-  apply_values(grads, factors, kernels::kScaleBy);
+  apply_tensor_values(moments, moment_index, resets, kernels::kZeroIf);
+  apply_tensor_values(grads, grad_index, factors, kernels::kScaleBy);
 }
 
 void AdamW::set_step_count(double steps) {

@@ -27,6 +27,10 @@ VOCAB, SEQ, BATCH = 64, 16, 4
 # Small windows for a short run, so thresholds well above the noise of random-token losses.
 SKIP = {"skip": {"enabled": True, "window": 32, "min_history": 6, "loss_zscore": 12,
                  "grad_norm_zscore": 12}}
+# The per-tensor policies (adagc, adagc-device): AdaGC after 4 taken steps, SPAM's reset of the
+# moments a global spike (skipped) hit.
+ADAGC = dict(skip_adaptive_clip="adagc", skip_adagc_warmup=4, skip_spike_moment_reset=True,
+             skip_on_global_spike="skip")
 # step -> (kind, rank): faults on rank 1
 FAULTS = {8: "nan_grad", 12: "nan_loss", 16: "spike"}
 
@@ -34,6 +38,16 @@ FAULTS = {8: "nan_grad", 12: "nan_loss", 16: "spike"}
 def model():
     torch.manual_seed(0)
     return Llama(VOCAB, 32, 2, 4, 2, SEQ, 10000.0, 16)
+
+
+def fsdp_model():
+    """model() with FSDP2: each block, then the whole."""
+    from torch.distributed.fsdp import fully_shard
+    m = model()
+    for block in m.layers:
+        fully_shard(block)
+    fully_shard(m)
+    return m
 
 
 def batch(step, rank):
@@ -140,12 +154,8 @@ def ddp(run_dir):
 
 
 def fsdp(run_dir):
-    from torch.distributed.fsdp import fully_shard
     rank = dist.get_rank()
-    m = model()
-    for block in m.layers:
-        fully_shard(block)
-    fully_shard(m)
+    m = fsdp_model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     # lr_scheduler.on_skip = "hold": the schedule moves with the updates, not the steps.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (1 + n))
@@ -170,16 +180,10 @@ def adagc(run_dir):
     and SPAM's reset zeroes the AdamW moments of the tensors a global spike hit (a loss spike on
     every rank at step 12, skipped), the same on every rank; the thresholds ride in the guard's
     state_dict and a guard loaded from it decides the next steps alike."""
-    from torch.distributed.fsdp import fully_shard
     rank = dist.get_rank()
-    m = model()
-    for block in m.layers:
-        fully_shard(block)
-    fully_shard(m)
+    m = fsdp_model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    policy = dict(skip_adaptive_clip="adagc", skip_adagc_warmup=4, skip_spike_moment_reset=True,
-                  skip_on_global_spike="skip")
-    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, **policy)
+    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, **ADAGC)
     names = dict(zip(map(id, guard.params), guard.names))
     seen, clipped = [], 0
     for step in range(1, 17):
@@ -204,7 +208,7 @@ def adagc(run_dir):
     agreed(seen)
     assert clipped > 0 and guard.counters["tensor_clips"] == clipped, (clipped, guard.counters)
     assert json.loads(saved["lockstep"])["detector"]["tensors"]["taken"] == 13, saved
-    other = lt.SkipGuard(opt, SKIP, model=m, **policy)
+    other = lt.SkipGuard(opt, SKIP, model=m, **ADAGC)
     other.load_state_dict(saved)
     assert other.core.state() == saved["lockstep"], "the thresholds round-trip"
 
@@ -214,18 +218,13 @@ def adagc_device(run_dir):
     reset applied on the device, verdicts read a step late) as on the host, with FSDP2: the same
     decisions, clips and resets at the same steps, and the same bits (no global clip:
     max_norm 0, so grad_scale is 1)."""
-    from torch.distributed.fsdp import fully_shard
     rank = dist.get_rank()
     runs, ends = [], []
     for mode in ("off", "auto"):
-        m = model()
-        for block in m.layers:
-            fully_shard(block)
-        fully_shard(m)
+        m = fsdp_model()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
         guard = lt.SkipGuard(opt, SKIP, model=m, training_max_norm=0.0, skip_device_decision=mode,
-                             skip_adaptive_clip="adagc", skip_adagc_warmup=4,
-                             skip_spike_moment_reset=True, skip_on_global_spike="skip")
+                             **ADAGC)
         assert guard.on_device == (mode == "auto"), mode
         seen = []
         for step in range(1, 17):
