@@ -14,7 +14,7 @@ warmup=5
 bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
 python="$root/.venv/bin/python"
 [[ -x "$bin/lockstep" ]] || { echo "bench_llama: build first (launch/setup.sh)" >&2; exit 1; }
-"$python" -c "import transformers" 2>/dev/null || { echo "bench_llama: $python has no transformers; run launch/setup.sh" >&2; exit 1; }
+"$python" -c "import transformers" 2>/dev/null || { echo "bench_llama: $python has no transformers; run launch/setup.sh --tests" >&2; exit 1; }
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 results="$tmp/results.jsonl"

@@ -17,7 +17,7 @@ warmup=5
 bin="${LOCKSTEP_BUILD_DIR:-$root/build}/bin"
 python="$root/.venv/bin/python"
 [[ -x "$bin/lockstep" && -x "$bin/lockstep-run" ]] || { echo "bench_precision: build first (launch/setup.sh)" >&2; exit 1; }
-"$python" -c "import torch" 2>/dev/null || { echo "bench_precision: $python has no torch; run launch/setup.sh" >&2; exit 1; }
+"$python" -c "import torch" 2>/dev/null || { echo "bench_precision: $python has no torch; run launch/setup.sh --tests" >&2; exit 1; }
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 results="$tmp/results.jsonl"

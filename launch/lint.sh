@@ -11,7 +11,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 lizard="$root/.venv/bin/lizard"
 [[ -x "$lizard" ]] || lizard="$(command -v lizard || true)"
-[[ -n "$lizard" ]] || { echo "lockstep lint: error: lizard not found; run launch/setup.sh (it installs lizard into .venv)" >&2; exit 1; }
+[[ -n "$lizard" ]] || { echo "lockstep lint: error: lizard not found; run launch/test.sh (it installs tests/requirements.txt into .venv) or pip install lizard" >&2; exit 1; }
 
 status=0
 fail() { echo "lockstep lint: $*"; status=1; }

@@ -85,6 +85,7 @@ class Follower:
 def writers(args, run_dir):
     out = []
     if "--tensorboard" in args:
+        import tensorboard  # noqa: F401  (named first: torch's writer below needs it too)
         from torch.utils.tensorboard import SummaryWriter
         folder = args[args.index("--tensorboard") + 1]
         if run_dir:
@@ -131,11 +132,12 @@ def drain(followers, sinks):
 
 
 def main(args):
-    if args[0] == "--check":  # exit 3: no tensorboard, 4: no wandb (lockstep names the key)
+    if args[0] == "--check":  # exit 3: no tensorboard, 4: no wandb, 5: no torch (its writer)
         try:
             writers(args, None)
         except ImportError as e:
-            return 4 if "wandb" in str(e.name) else 3
+            name = str(e.name)
+            return 4 if "wandb" in name else 5 if name == "torch" else 3
         return 0
     run_dir, metrics_offset, events_offset = args[0], int(args[1]), int(args[2])
     sinks = writers(args, run_dir)

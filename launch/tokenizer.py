@@ -22,7 +22,7 @@ def load(path):
         from tokenizers import Tokenizer
     except ImportError:
         print(f"{sys.executable} cannot import tokenizers; install it there ({sys.executable} -m "
-              "pip install tokenizers; launch/setup.sh does)", file=sys.stderr)
+              "pip install tokenizers)", file=sys.stderr)
         sys.exit(3)
     try:
         return Tokenizer.from_file(path)

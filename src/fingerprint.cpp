@@ -61,7 +61,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 }
 
 std::string shown(const std::string& v) {
-  return v.size() <= 80 ? v : v.substr(0, 77) + "...";
+  return v.size() <= 80 ? v : fmt::format("{}...", std::string_view(v).substr(0, 77));
 }
 
 // Every rank's text, exchanged as bytes (one double each; only when the digests differ).

@@ -196,7 +196,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
   const int64_t first = job.state.step;
   int64_t last_verified = first;  // the last step all ranks were seen to agree
   const bool lag = job.decision != nullptr;
-  std::optional<Issued> late;
+  std::unique_ptr<Issued> late;  // the step issued but not yet finished (lag 1)
   bool stopping = false;
   for (int64_t n = first + 1; n <= job.config.training.steps; ++n) {
     const bool now = !lag || stopping || after_of(job, n).any();
@@ -208,7 +208,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
     late.reset();
     if (lag) watch.reset();
     if (!now && !stopping) {
-      late.emplace(std::move(issued));
+      late = std::make_unique<Issued>(std::move(issued));
       continue;
     }
     const StepResult r = finish(job, issued);

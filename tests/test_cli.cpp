@@ -129,13 +129,15 @@ TEST(Cli, AKilledRankMakesTheOtherExitInsteadOfHanging) {
                        " WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
                        " " + LOCKSTEP_BIN + " train --job.dump_folder " + dir / "run" +
                        " --training.steps 100000 --training.threads 1"
-                       " --checkpoint.enable false --comm.train_timeout_seconds 20"
+                       " --checkpoint.enable false --comm.train_timeout_seconds 5"
                        " >/dev/null 2>&1");
   };
   pid_t r0 = spawn(0), r1 = spawn(1);
   // Let them train (the metrics file appears at the first logged step), then kill rank 1.
-  for (int i = 0; i < 6000 && !std::filesystem::exists(dir / "run/metrics.jsonl"); ++i)
+  while (!std::filesystem::exists(dir / "run/metrics.jsonl")) {
+    ASSERT_EQ(::waitpid(r0, nullptr, WNOHANG), 0) << "rank 0 ended before training";
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   ::kill(r1, SIGKILL);
   ::waitpid(r1, nullptr, 0);
   const auto start = std::chrono::steady_clock::now();
@@ -151,7 +153,7 @@ TEST(Cli, AKilledRankMakesTheOtherExitInsteadOfHanging) {
     FAIL() << "rank 0 still running 30 s after rank 1 died";
   }
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << "status " << status;
-  EXPECT_LT(secs, 20 + 10) << "within train_timeout_seconds + 10 s";
+  EXPECT_LT(secs, 30) << "within 6x train_timeout_seconds";
 }
 
 TEST(Cli, BadDataFileExits3) {
@@ -185,7 +187,7 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
   // checkpoint must verify and the run must resume from it.
   lockstep::test::TempDir dir;
   const std::string args = "train --job.dump_folder " + dir / "run" +
-                           " --training.steps 120 --checkpoint.interval 1"
+                           " --training.steps 40 --checkpoint.interval 1"
                            " --checkpoint.keep_latest_k 2 --model.dim 256 --model.n_layers 3"
                            " --training.local_batch_size 2 --training.seq_len 16";
   std::mt19937 rng(1234);
@@ -209,15 +211,8 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
     // Kill once this process has saved at least one checkpoint of its own (so the kill lands
     // in steady training and saving, not in start-up), at a random moment after that.
     int status = 0;
-    bool exited = false;
-    for (int i = 0; i < 6000 && latest() <= before; ++i) {
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        exited = true;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    ASSERT_FALSE(exited) << "the run ended before saving a checkpoint";
+    ASSERT_TRUE(lockstep::test::wait_for(pid, [&] { return latest() > before; }, &status))
+        << "the run ended before saving a checkpoint";
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 700));
     if (::waitpid(pid, &status, WNOHANG) == 0) {
       ::kill(pid, SIGKILL);
@@ -232,7 +227,7 @@ TEST(Cli, KillDuringTrainingLeavesALoadableCheckpoint) {
   CliRun finish = run(args);
   EXPECT_EQ(finish.code, 0) << finish.out;
   EXPECT_NE(finish.out.find("resumed from"), std::string::npos) << finish.out;
-  EXPECT_NE(finish.out.find("step    120/120"), std::string::npos) << finish.out;
+  EXPECT_NE(finish.out.find("step     40/40"), std::string::npos) << finish.out;
 }
 
 // A person watching a run with `tail -f logs/rank0.log` sees each progress line as it is
@@ -243,7 +238,7 @@ TEST(Cli, TheRankLogShowsEachProgressLineAtOnce) {
   const std::string run = dir / "run";
   const pid_t pid = spawn_shell("exec " + std::string(LOCKSTEP_BIN) + " train --job.dump_folder " +
                                 run +
-                                " --training.steps 100000 --metrics.log_freq 20 "
+                                " --training.steps 100000 --metrics.log_freq 2 "
                                 "--checkpoint.enable false >/dev/null 2>&1");
   const auto count = [](const std::string& path, const char* what) {
     const std::string text = lockstep::test::read_text(path);
@@ -252,13 +247,19 @@ TEST(Cli, TheRankLogShowsEachProgressLineAtOnce) {
     return n;
   };
   // metrics.jsonl is written a record per progress line, flushed each time: once it holds three,
-  // the log must show three progress lines too (a few hundred bytes: no buffer fills up).
-  for (int i = 0; i < 3000 && count(run + "/metrics.jsonl", "\"clip_coef\"") < 3; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ::kill(pid, SIGKILL);
+  // the log must show three progress lines too (a few hundred bytes: no buffer fills up). Waits
+  // for that event or the run's end, however slow the machine (ctest's timeout bounds it).
   int status = 0;
-  ::waitpid(pid, &status, 0);
-  ASSERT_GE(count(run + "/metrics.jsonl", "\"clip_coef\""), 3u) << "the run did not get going";
+  bool ended = false;
+  while (!ended && count(run + "/metrics.jsonl", "\"clip_coef\"") < 3) {
+    ended = ::waitpid(pid, &status, WNOHANG) == pid;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!ended) {
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, &status, 0);
+  }
+  ASSERT_GE(count(run + "/metrics.jsonl", "\"clip_coef\""), 3u) << "the run ended early";
   EXPECT_GE(count(run + "/logs/rank0.log", "info step "), 3u)
       << lockstep::test::read_text(run + "/logs/rank0.log");
 }

@@ -58,12 +58,12 @@ void matches_transformers(const ModelConfig& model) {
   std::cout << export_checkpoint(dir / "run", -1, "hf", dir / "hf") << "\n";
   auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
   write_expected(dir / "run", at::randint(0, model.vocab_size, {3, 17}, gen), dir / "expected.safetensors");
-  const auto r = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
-                               "/tests/hf_reference.py " + (dir / "hf") + " " +
-                               (dir / "expected.safetensors"));
+  const auto r = test::capture(fmt::format("{} {}/tests/hf_reference.py {} {}", LOCKSTEP_PYTHON,
+                                           LOCKSTEP_SOURCE_DIR, dir / "hf",
+                                           dir / "expected.safetensors"));
   std::cout << r.out;
   EXPECT_EQ(r.code, 0) << "transformers disagrees with lockstep (or is not installed in "
-                       << LOCKSTEP_PYTHON << ": run launch/setup.sh)";
+                       << LOCKSTEP_PYTHON << ": run launch/test.sh)";
 }
 
 ModelConfig small(ModelName name) {

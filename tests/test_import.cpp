@@ -33,7 +33,7 @@ void make_hf(const std::string& dir, const std::string& kind) {
   const auto r = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
                                "/tests/hf_make.py " + dir + " " + kind);
   ASSERT_EQ(r.code, 0) << r.out << "(transformers must be installed in " << LOCKSTEP_PYTHON
-                       << ": run launch/setup.sh)";
+                       << ": run launch/test.sh)";
 }
 
 // A random llama folder in dir/model and what `lockstep import` prints for it, in

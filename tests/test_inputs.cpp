@@ -86,7 +86,8 @@ TEST(Inputs, ADataFileTruncatedWhileTrainingIsNamed) {
                           job(dir / "run", 100000, "--data.source file --data.path " + data) +
                           " > " + dir / "out" + " 2>&1; echo $? > " + dir / "rc";
   std::thread runner([&] { std::system(cmd.c_str()); });
-  for (int i = 0; i < 500 && !std::filesystem::exists(dir / "run/metrics.jsonl"); ++i)
+  // Training has begun (or the run ended: then rc is there and the checks below say why).
+  while (!std::filesystem::exists(dir / "run/metrics.jsonl") && !std::filesystem::exists(dir / "rc"))
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   std::filesystem::resize_file(data, 100);

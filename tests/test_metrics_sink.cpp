@@ -84,6 +84,49 @@ TEST(TensorBoard, APythonWithoutItIsRefusedBeforeTheRunStarts) {
   EXPECT_FALSE(std::filesystem::exists(dir / "run/checkpoint")) << "nothing ran";
 }
 
+// Each optional feature, run with a Python that has none of its packages, refuses in one line
+// naming the package and the pip install to run (issue 37: the demo installs matplotlib only).
+TEST(OptionalFeatures, AMissingPackageIsNamedWithThePipInstallToRun) {
+  TempDir dir;
+  const std::string fake = dir / "python-without-site-packages";
+  std::ofstream(fake) << "#!/bin/sh\nexec " << LOCKSTEP_PYTHON << " -S \"$@\"\n";
+  std::filesystem::permissions(fake, std::filesystem::perms::owner_all);
+  const std::string env = "LOCKSTEP_PYTHON=" + fake + " ";
+  const auto wandb = test::capture(env + LOCKSTEP_BIN " train --job.dump_folder " +
+                                   (dir / "run") + " --training.steps 2"
+                                   " --metrics.enable_wandb true");
+  EXPECT_EQ(wandb.code, 2) << wandb.out;
+  EXPECT_NE(wandb.out.find("cannot import wandb; install it there (" + fake +
+                           " -m pip install wandb)"),
+            std::string::npos)
+      << wandb.out;
+  std::ofstream(dir / "text.txt") << "some text to shard. ";
+  const auto tok = test::capture(env + LOCKSTEP_BIN " data shard " + (dir / "shards") +
+                                 " --from " + (dir / "text.txt") + " --tokenizer " +
+                                 (dir / "tokenizer.json"));
+  EXPECT_NE(tok.code, 0) << tok.out;
+  EXPECT_NE(tok.out.find("cannot import tokenizers; install it there (" + fake +
+                         " -m pip install tokenizers)"),
+            std::string::npos)
+      << tok.out;
+  ASSERT_EQ(test::run_lockstep("train --job.dump_folder " + (dir / "run") +
+                               " --training.steps 2 --checkpoint.enable false").code, 0);
+  const auto report = test::capture(env + LOCKSTEP_BIN " report " + (dir / "run"));
+  EXPECT_NE(report.code, 0) << report.out;
+  EXPECT_NE(report.out.find("has no matplotlib; run `" + fake + " -m pip install matplotlib`"),
+            std::string::npos)
+      << report.out;
+  // The PyTorch package without its built part (as the source tree is before a pip install).
+  std::filesystem::create_directories(dir / "pkg/lockstep");
+  for (const char* f : {"__init__.py", "torch.py"})
+    std::filesystem::copy_file(std::string(LOCKSTEP_SOURCE_DIR "/python/lockstep/") + f,
+                               dir / ("pkg/lockstep/" + std::string(f)));
+  const auto pkg = test::capture("PYTHONPATH=" + (dir / "pkg") + " " LOCKSTEP_PYTHON
+                                 " -c 'import lockstep.torch' 2>&1 | tail -1");
+  EXPECT_NE(pkg.out.find("ImportError: lockstep._C is not built"), std::string::npos) << pkg.out;
+  EXPECT_NE(pkg.out.find("pip install --no-build-isolation ."), std::string::npos) << pkg.out;
+}
+
 // metrics.enable_wandb: an offline run written by wandb's own writer in RUN_DIR/wandb, which
 // `wandb sync` uploads. wandb 0.31 has no public reader for its run file (its Python scanner
 // moved into the Go core), so this checks what the file must hold: every metric's name, the

@@ -331,6 +331,29 @@ TEST(Quarantine, OnlySampleLevelEvidenceQuarantines) {
   EXPECT_TRUE(e.quarantine.empty() && e.suspect.empty());
 }
 
+// Sample ids and losses come from the caller (the PyTorch guard): ids shorter than the losses
+// were read past their end and a pointer-like id landed in the events and the quarantine
+// (issue 38). Now a table whose rows differ in length is refused, naming the rank.
+TEST(Quarantine, IdsAndLossesOfDifferentLengthsAreRefusedNamingTheRank) {
+  SampleTable t;
+  t.ids = {{10, 11, 12, 13}, {20}};
+  t.losses = {{2.0, 2.1, 1.9, 2.0}, {kNaN, 2.0, 2.0, 2.0}};
+  Verdict v;
+  v.scope = "local";
+  v.cause = kCauseData;
+  v.culprit_ranks = {1};
+  try {
+    judge_samples(v, t, 6.0);
+    FAIL() << "a row with 1 id and 4 losses was judged";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 gave 1 sample ids and 4 sample losses"),
+              std::string::npos)
+        << e.what();
+  }
+  t.ids[1] = {20, 21, 22, 23};
+  EXPECT_EQ(judge_samples(v, t, 6.0).quarantine, (std::vector<int64_t>{20}));
+}
+
 // The counters of a decided step (run_state.h's count): a skip or an abort drops nothing from
 // an update, so only a salvage counts its dropped ranks (issue 25: dropped_contributions grew
 // on skipped steps).

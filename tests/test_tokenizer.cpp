@@ -25,9 +25,9 @@ void make_corpus(const std::string& dir, int vocab, const std::string& name = "t
                                    "And the earth was without form, and void.\n";
   std::ofstream(dir + "/b.txt") << "In the beginning was the Word, and the Word was with God.\n"
                                    "The same was in the beginning with God.\n";
-  const auto r = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
-                               "/tests/tok_train.py " + dir + "/" + name + " " +
-                               std::to_string(vocab) + " " + dir + "/a.txt " + dir + "/b.txt");
+  const auto r = test::capture(fmt::format("{} {}/tests/tok_train.py {}/{} {} {}/a.txt {}/b.txt",
+                                           LOCKSTEP_PYTHON, LOCKSTEP_SOURCE_DIR, dir, name, vocab,
+                                           dir, dir));
   ASSERT_EQ(r.code, 0) << r.out;
 }
 
@@ -120,9 +120,9 @@ TEST(Tokenizer, AFileThatIsNotATokenizerIsRefusedNamingIt) {
 TEST(Tokenizer, AVocabularyBeyondUint16WritesLlama3Shards) {
   TempDir dir;
   make_corpus(dir.path(), 300);
-  const auto made = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
-                                  "/tests/tok_train.py " + (dir / "wide.json") + " --wide 70000 " +
-                                  (dir / "a.txt"));
+  const auto made = test::capture(fmt::format("{} {}/tests/tok_train.py {} --wide 70000 {}",
+                                              LOCKSTEP_PYTHON, LOCKSTEP_SOURCE_DIR,
+                                              dir / "wide.json", dir / "a.txt"));
   ASSERT_EQ(made.code, 0) << made.out;
   const auto r = test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
                                     " --tokenizer " + (dir / "wide.json") + " --val-fraction 0");

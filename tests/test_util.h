@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <iterator>
 #include <vector>
 
@@ -73,6 +74,21 @@ inline pid_t spawn_shell(const std::string& cmd) {
     ::_exit(127);
   }
   return pid;
+}
+
+// Waits for an event, not a duration: polls `done` until it holds (true) or the process `pid`
+// has ended first (false; its wait status in *status when given). No deadline of its own, so a
+// loaded machine only makes it slower: ctest's timeout bounds a test that never sees the event.
+inline bool wait_for(pid_t pid, const std::function<bool()>& done, int* status = nullptr) {
+  while (!done()) {
+    int st = 0;
+    if (::waitpid(pid, &st, WNOHANG) == pid) {
+      if (status) *status = st;
+      return done();
+    }
+    ::usleep(5000);
+  }
+  return true;
 }
 
 inline std::string read_text(const std::string& path) {

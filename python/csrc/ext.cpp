@@ -123,6 +123,7 @@ class Core {
       samples.ids.assign(static_cast<size_t>(world_), {});
       samples.losses.assign(static_cast<size_t>(world_), {});
     }
+    check_sample_table(samples);  // before anything counts: every rank raises at the same step
     count(counters_, v, tokens, counters_.data_position);
     std::string message;
     if (v.anomalous()) {

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _C
+try:
+    from . import _C
+except ImportError as e:  # the package's C++ part is built by pip, not shipped in the source
+    raise ImportError(
+        f"lockstep._C is not built ({e}); install the package with `pip install "
+        "--no-build-isolation .` in lockstep's folder (torch installed first), or run "
+        "launch/test.sh there to build it in place") from e
 
 log = logging.getLogger("lockstep")
 # torch 2.13 renamed all_gather_into_tensor (one flat collective) to all_gather_single.

@@ -13,21 +13,21 @@
 namespace lockstep {
 namespace {
 
-namespace fs = std::filesystem;
+namespace stdfs = std::filesystem;
 
 // The step folder `path` and `step` name.
 std::string step_folder(const std::string& path, int64_t step) {
-  if (fs::exists(path + "/meta.json")) {
-    if (step >= 0 && fs::path(path).filename() != fmt::format("step-{}", step))
+  if (stdfs::exists(path + "/meta.json")) {
+    if (step >= 0 && stdfs::path(path).filename() != fmt::format("step-{}", step))
       throw InputError(fmt::format("'{}' is one checkpoint, not step {}; pass its run folder to "
                                    "choose a step", path, step));
     return path;
   }
-  if (!fs::is_directory(path))
+  if (!stdfs::is_directory(path))
     throw InputError(fmt::format("'{}' is not a folder; pass a run folder (job.dump_folder) or a "
                                  "checkpoint folder", path));
   std::string folder = path;
-  if (fs::exists(path + "/config.toml")) {  // a run folder: where its checkpoints went
+  if (stdfs::exists(path + "/config.toml")) {  // a run folder: where its checkpoints went
     const std::string f = load_config_file(path + "/config.toml").checkpoint.folder;
     folder = f.starts_with("/") ? f : path + "/" + f;
   }

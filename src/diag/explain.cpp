@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "lockstep/error.h"
+
 namespace lockstep {
 namespace {
 
@@ -76,11 +78,25 @@ std::vector<size_t> outlying_samples(const std::vector<double>& losses, double z
 
 }  // namespace
 
+void check_sample_table(const SampleTable& t) {
+  for (size_t r = 0; r < t.ids.size() || r < t.losses.size(); ++r) {
+    const size_t ids = r < t.ids.size() ? t.ids[r].size() : 0;
+    const size_t losses = r < t.losses.size() ? t.losses[r].size() : 0;
+    if (ids != losses)
+      throw InputError(fmt::format("rank {} gave {} sample ids and {} sample losses; give one id "
+                                   "per sample loss (sample_ids and sample_losses of the same "
+                                   "batch, in the same order)",
+                                   r, ids, losses));
+  }
+}
+
 SampleEvidence judge_samples(const Verdict& v, const SampleTable& t, double zscore) {
   SampleEvidence out;
+  check_sample_table(t);  // every index below is in range
   if (v.scope == "global") return out;  // the model, not a batch
   const bool data = v.cause.find(kCauseData) != std::string::npos;
   for (int r : v.culprit_ranks) {
+    if (r < 0 || static_cast<size_t>(r) >= t.ids.size()) continue;  // no samples given
     const std::vector<size_t> bad = outlying_samples(t.losses[r], zscore > 0 ? zscore : 6.0);
     for (size_t i : bad) out.quarantine.push_back(t.ids[r][i]);
     if (bad.empty() && data)

@@ -42,6 +42,9 @@ struct RankStep {
 struct SampleEvidence {
   std::vector<int64_t> quarantine, suspect;
 };
+// Throws InputError naming the first rank whose ids and losses differ in length (they come from
+// the caller: the PyTorch guard's sample_ids and sample_losses).
+void check_sample_table(const SampleTable& t);
 SampleEvidence judge_samples(const Verdict& v, const SampleTable& samples, double zscore);
 
 // The parameters to name: most nonfinite elements first, then the largest norms, at most k.

@@ -42,11 +42,11 @@ void MetricsSink::check(const MetricsConfig& m) {
   for (const auto& a : writer_args(m)) args.push_back(a);
   const int rc = wait_script(spawn_script(embedded_metrics_sink_script(), args));
   if (rc == 0) return;
-  const char* package = rc == 3 ? "tensorboard" : "wandb";
+  const char* package = rc == 3 ? "tensorboard" : rc == 5 ? "torch" : "wandb";
   throw ConfigError(fmt::format(
       "invalid value for 'metrics.{}': {} cannot import {}; install it there ({} -m pip install "
-      "{}; launch/setup.sh does) or set LOCKSTEP_PYTHON to a Python that has it",
-      rc == 3 ? "enable_tensorboard" : "enable_wandb", python_path(), package, python_path(), package));
+      "{}) or set LOCKSTEP_PYTHON to a Python that has it",
+      rc == 4 ? "enable_wandb" : "enable_tensorboard", python_path(), package, python_path(), package));
 }
 
 std::unique_ptr<MetricsSink> MetricsSink::start(const MetricsConfig& m,

@@ -135,14 +135,15 @@ HfTensors open_tensors(const std::string& dir) {
   std::vector<std::string> names = {"model.safetensors"};
   const std::string index = dir + "/model.safetensors.index.json";
   if (std::filesystem::exists(index)) {
-    std::set<std::string> shards;
+    names.clear();  // each shard once, in name order
     const nlohmann::json map = read_json(index).value("weight_map", nlohmann::json::object());
     for (const auto& [name, file] : map.items()) {
       if (!file.is_string())
         throw InputError(fmt::format("{}: weight_map['{}'] is not a file name", index, name));
-      shards.insert(file.get<std::string>());
+      names.push_back(file.get<std::string>());
     }
-    names.assign(shards.begin(), shards.end());
+    std::sort(names.begin(), names.end());
+    names.erase(std::unique(names.begin(), names.end()), names.end());
   } else if (!std::filesystem::exists(dir + "/model.safetensors")) {
     throw InputError(fmt::format("{}: no model.safetensors (nor model.safetensors.index.json); "
                                  "save the model with save_pretrained(..., "

@@ -8,6 +8,7 @@ is torchtitan's llama3 debug model over them, on its "partial_dtensor" SPMD back
 "spmd_types", needs a newer FSDP2 than torch 2.13's).
 """
 import importlib
+import importlib.util
 import json
 import os
 import random
@@ -18,6 +19,30 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _kernels_standin(module_name):
+    """A module whose every name is a kernel that raises when launched (see below)."""
+    module = types.ModuleType(module_name)
+
+    def missing(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def kernel(*args, **kwargs):
+            raise RuntimeError(f"{module_name}.{name} needs triton (pip install triton)")
+        return kernel
+
+    module.__getattr__ = missing
+    return module
+
+
+# torchtitan 0.3.0 imports its expert-parallel Triton kernels at import time, even in runs that
+# use no expert parallelism; the CPU torch wheel has no triton (0.9 GB). Without it, that one
+# module is a stand-in (torch itself still sees no triton); torchtitan-requirements.txt says so.
+TITAN_TRITON_MODULE = "torchtitan.distributed.minimal_async_ep.kernels"
+if importlib.util.find_spec("triton") is None:
+    sys.modules.setdefault(TITAN_TRITON_MODULE, _kernels_standin(TITAN_TRITON_MODULE))
 
 
 def titan_on_cpu():
