@@ -33,7 +33,8 @@ fi
 export LOCKSTEP_TORCH="$torch_dir"
 export LOCKSTEP_BUILD_DIR="${LOCKSTEP_CUDA_BUILD_DIR:-$root/build-cuda}"
 export LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc -DCUDA_TOOLKIT_ROOT_DIR=$cuda_root -DCUDAToolkit_ROOT=$cuda_root ${LOCKSTEP_CUDA_CMAKE_ARGS:-}"
-"$root/launch/setup.sh"
+"$root/launch/setup.sh" --tests  # the test-only set too: it runs the gpu tests, and python3-dev
+# gives the CUDA package below its Python.h
 # The PyTorch package with its CUDA kernels, against the same torch (compiled, not run here).
 if [[ -n "${venv:-}" ]]; then
   log="$LOCKSTEP_BUILD_DIR/python-package.log"

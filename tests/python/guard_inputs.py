@@ -45,7 +45,24 @@ def main():
     assert not os.path.exists(run_dir), "a refused guard wrote its run_dir"
     guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir)  # one process
     assert os.path.isdir(os.path.join(run_dir, "diagnostics")) and guard.world == 1
+    mismatched_samples(opt, os.path.join(work, "samples"))
     print("guard inputs: ok")
+
+
+def mismatched_samples(opt, run_dir):
+    """sample_ids shorter than sample_losses on an anomalous step: refused naming the rank (the
+    C++ side read past the ids and wrote a pointer-like id into the events and the quarantine)."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir)
+    loss = model(torch.ones(2, 4)).sum() * float("nan")
+    loss.backward()
+    try:
+        guard.step(loss, sample_ids=[7], sample_losses=[1.0, float("nan")])
+    except RuntimeError as e:
+        assert "rank 0 gave 1 sample ids and 2 sample losses" in str(e), str(e)
+        return
+    raise AssertionError("1 sample id with 2 sample losses was accepted")
 
 
 if __name__ == "__main__":
