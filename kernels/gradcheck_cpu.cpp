@@ -106,7 +106,7 @@ LS_INLINE bool load1(const unsigned char* p, double& v) {
 }
 
 template <int W>
-LS_INLINE double hsum(typename Vec<W>::f a) {
+LS_INLINE double hsum(const typename Vec<W>::f& a) {  // by reference: no vector-ABI note
   double s = 0;
   for (int i = 0; i < W; ++i) s += a[i];
   return s;

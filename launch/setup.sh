@@ -42,8 +42,10 @@ if ((${#missing[@]})); then
   fi
   say "installing Debian packages: ${missing[*]}"
   $SUDO apt-get update -qq || die "apt-get update failed; check the network or apt sources"
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
-    || die "apt-get install ${missing[*]} failed"
+  apt_log="$(mktemp)"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    >"$apt_log" 2>&1 || { tail -20 "$apt_log" >&2; die "apt-get install ${missing[*]} failed"; }
+  rm -f "$apt_log"
 fi
 
 # --- Python: .venv holds torch (LibTorch for the build) and a pinned requirements file ------
