@@ -100,7 +100,7 @@ std::string initial_weights(const Job& j) {
   const Config& c = j.config;
   const std::string& path = c.checkpoint.initial_load_path;
   if (path.empty()) return "";
-  if (c.checkpoint.enable && j.checkpointer->step_to_load(c.checkpoint.load_step) > 0) return "";
+  if (j.resume_step > 0) return "";
   check_same_model(c.model, model_config_from_hf(path), path);
   return path;
 }
@@ -273,6 +273,8 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.checkpointer = std::make_unique<Checkpointer>(
       CheckpointOptions{folder.starts_with("/") ? folder : j.run_dir + "/" + folder,
                         c.checkpoint.keep_latest_k, c.checkpoint.timeout_seconds});
+  if (c.checkpoint.enable)  // every rank resumes from the same step, or none starts
+    j.resume_step = j.checkpointer->agreed_step_to_load(c.checkpoint.load_step, j.comm.get());
   build_model(j);
   j.peak_flops = peak_flops(c, j.device);
   j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
@@ -372,8 +374,7 @@ void mark_fresh_start(const Job& j) {
 }  // namespace
 
 void resume(Job& j) {
-  const int64_t step =
-      j.config.checkpoint.enable ? j.checkpointer->step_to_load(j.config.checkpoint.load_step) : 0;
+  const int64_t step = j.resume_step;
   if (step > 0) {
     load(j, step);
   } else {

@@ -70,6 +70,7 @@ struct Job {
   LRScheduleOptions schedule;
   nlohmann::json config_json;  // the resolved config, as checkpoints store it
   Fingerprint fingerprint;     // what every rank must share (agreed at start; meta.json)
+  int64_t resume_step = 0;         // the checkpoint every rank resumes from (0: a fresh start)
   std::vector<int64_t> excluded;  // sample ids never drawn, sorted (checkpoints carry them)
   TrainState state;            // counters; what a checkpoint restores
   int64_t tokens_per_step = 0; // global

@@ -136,3 +136,47 @@ TEST(SameJob, AResumeOnDataWhoseContentChangedIsRefused) {
             std::string::npos)
       << allowed.out;
 }
+
+// The ranks agree on the checkpoint they resume from (issue 42): with rank 1 seeing a stale copy
+// of the folder (a node-local disk or a lagging shared file system: here a bind mount in a mount
+// namespace of its own), rank 0 resumed at step 20 and rank 1 at step 10, and the run wrote
+// checkpoints that verify but hold two runs. Now every rank stops at start, naming rank 1 and
+// the step, and nothing is written.
+TEST(SameJob, RanksResumeFromTheSameCheckpointOrNoneStarts) {
+  if (test::capture("unshare -m true").code != 0)
+    GTEST_SKIP() << "unshare -m is not allowed here (it shows rank 1 a folder of its own)";
+  test::TempDir dir;
+  const std::string run = dir / "run", stale = dir / "stale";
+  const std::string keep = " --checkpoint.interval 5 --checkpoint.keep_latest_k 0";
+  auto job = [&](int steps) {
+    return "train --job.dump_folder " + run + " --training.steps " + std::to_string(steps) +
+           " --model.dim 32 --model.n_heads 2 --model.n_layers 1 --model.max_seq_len 32"
+           " --training.seq_len 32 --training.local_batch_size 4 --metrics.log_freq 1" + keep;
+  };
+  ASSERT_EQ(test::run_on_ranks(2, job(10), Launcher::kLockstepRun).code, 0);
+  std::filesystem::copy(run + "/checkpoint", stale, std::filesystem::copy_options::recursive);
+  ASSERT_EQ(test::run_on_ranks(2, job(20), Launcher::kLockstepRun).code, 0);
+  // Rank 1 sees the stale copy (steps 5 and 10) where the others see steps 5 to 20.
+  const std::string wrapper = dir / "rank1.sh";
+  test::write_bytes(wrapper, "#!/bin/sh\nif [ \"$RANK\" = 1 ]; then exec unshare -m sh -c 'mount "
+                             "--bind " + stale + " " + run + "/checkpoint && exec " LOCKSTEP_BIN
+                             " \"$@\"' sh \"$@\"; fi\nexec " LOCKSTEP_BIN " \"$@\"\n");
+  std::filesystem::permissions(wrapper, std::filesystem::perms::owner_all);
+  std::string cmd = test::launch_command(2, job(30), Launcher::kLockstepRun);
+  const std::string program = std::string(" ") + LOCKSTEP_BIN + " ";
+  cmd.replace(cmd.rfind(program), program.size(), " " + wrapper + " ");
+  const auto r = test::capture(cmd);
+  EXPECT_EQ(r.code, 3) << r.out;
+  for (const char* rank : {"[rank 0] lockstep: error: ", "[rank 1] lockstep: error: "})
+    EXPECT_NE(r.out.find(std::string(rank) + "checkpoint folder '" + run + "/checkpoint': rank 1 "
+                         "(its newest: step 10) does not see '" + run + "/checkpoint/step-20' "
+                         "that rank 0 resumes from"),
+              std::string::npos)
+        << r.out;
+  EXPECT_FALSE(std::filesystem::exists(run + "/checkpoint/step-25")) << r.out;
+  // With the folders the same again the run resumes at 20 and goes on.
+  const auto again = test::run_on_ranks(2, job(25), Launcher::kLockstepRun);
+  ASSERT_EQ(again.code, 0) << again.out;
+  EXPECT_NE(again.out.find("resumed from"), std::string::npos) << again.out;
+  EXPECT_TRUE(std::filesystem::exists(run + "/checkpoint/step-25")) << again.out;
+}

@@ -14,6 +14,7 @@
 #include "checkpoint/meta.h"
 #include "checkpoint/safetensors.h"
 #include "fsutil.h"
+#include "log.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
@@ -166,6 +167,40 @@ int64_t Checkpointer::step_to_load(int64_t load_step) const {
         "checkpoint.load_step = {}: no complete checkpoint '{}'; available steps: [{}]",
         load_step, dir_of(load_step), fmt::join(available, ", ")));
   return load_step;
+}
+
+int64_t Checkpointer::agreed_step_to_load(int64_t load_step, Comm* comm) const {
+  if (comm == nullptr || comm->size() == 1) return step_to_load(load_step);
+  const auto available = steps();
+  const int64_t newest = available.empty() ? 0 : available.back();
+  // Rank 0's choice (load_step itself when it is asked for by number), then who holds it.
+  const auto asked = all_gather_values(comm, {static_cast<double>(load_step < 0 ? newest : load_step)});
+  const auto chosen = static_cast<int64_t>(asked[0][0]);
+  const bool holds = chosen == 0 ||
+                     std::find(available.begin(), available.end(), chosen) != available.end();
+  const auto seen = all_gather_values(comm, {holds ? 1.0 : 0.0, static_cast<double>(newest)});
+  std::vector<std::string> missing, newer;
+  for (size_t r = 0; r < seen.size(); ++r) {
+    const auto their_newest = static_cast<int64_t>(seen[r][1]);
+    if (seen[r][0] == 0.0)
+      missing.push_back(fmt::format("rank {} (its newest: {})", r,
+                                    their_newest > 0 ? fmt::format("step {}", their_newest)
+                                                     : std::string("none")));
+    else if (their_newest > chosen && load_step < 0)
+      newer.push_back(fmt::format("rank {} sees step {}", r, their_newest));
+  }
+  if (!missing.empty())
+    throw InputError(fmt::format(
+        "checkpoint folder '{}': {} does not see '{}' that {} from; every rank must see the same "
+        "checkpoint folder (a shared file system), or set checkpoint.load_step to a step every "
+        "rank holds",
+        opt_.folder, fmt::join(missing, ", "), dir_of(chosen),
+        load_step < 0 ? "rank 0 resumes" : "checkpoint.load_step asks to resume"));
+  if (!newer.empty() && comm->rank() == 0)
+    log::warn("checkpoint folder '{}': every rank resumes from rank 0's newest, step {}, but {}; "
+              "their folders are not the same one",
+              opt_.folder, chosen, fmt::join(newer, ", "));
+  return chosen;
 }
 
 void Checkpointer::write_parts(const std::string& tmp, const WeightSource& weights,

@@ -75,6 +75,11 @@ class Checkpointer {
   // The step checkpoint.load_step asks for: -1 = the latest (0 when there is none), 0 = start
   // fresh, N = step N (InputError listing the available steps when it is missing).
   int64_t step_to_load(int64_t load_step) const;
+  // The same, agreed by every rank (call it on all of them): rank 0's choice, which every rank
+  // must see in its own listing of the folder (a node-local disk or a lagging shared file
+  // system can show a rank a stale copy). A rank that does not see it stops every rank with
+  // one InputError naming the rank and the step; a null comm is step_to_load.
+  int64_t agreed_step_to_load(int64_t load_step, Comm* comm) const;
 
   // Loads step `step`: checks meta.json and that `config`'s model section matches, restores
   // the CPU RNG, and hands a reader of the weights and moments to `load` (the parameters'
