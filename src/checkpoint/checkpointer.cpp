@@ -189,12 +189,13 @@ int64_t Checkpointer::agreed_step_to_load(int64_t load_step, Comm* comm) const {
     else if (their_newest > chosen && load_step < 0)
       newer.push_back(fmt::format("rank {} sees step {}", r, their_newest));
   }
+  if (missing.size() == seen.size()) step_to_load(load_step);  // nobody has it: the usual line
   if (!missing.empty())
     throw InputError(fmt::format(
-        "checkpoint folder '{}': {} does not see '{}' that {} from; every rank must see the same "
+        "checkpoint folder '{}': {} {} not see '{}' that {} from; every rank must see the same "
         "checkpoint folder (a shared file system), or set checkpoint.load_step to a step every "
         "rank holds",
-        opt_.folder, fmt::join(missing, ", "), dir_of(chosen),
+        opt_.folder, fmt::join(missing, ", "), missing.size() > 1 ? "do" : "does", dir_of(chosen),
         load_step < 0 ? "rank 0 resumes" : "checkpoint.load_step asks to resume"));
   if (!newer.empty() && comm->rank() == 0)
     log::warn("checkpoint folder '{}': every rank resumes from rank 0's newest, step {}, but {}; "
