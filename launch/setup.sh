@@ -57,28 +57,32 @@ assert (major, minor) >= (2, 11) and (major, minor) <= (2, 14)
 print(torch.utils.cmake_prefix_path)
 PY
 }
-# pip_install REQUIREMENTS: one pip call for the file (and torch, when .venv has none), skipped
-# when .venv already holds exactly that file's pins (a copy of it beside .venv says so).
+# pip_quiet ARGS...: pip install into .venv, without the mirror's "Location ignored" warnings.
+pip_quiet() {
+  "$venv/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "^WARNING: Location" || true; }
+}
+# pip_install REQUIREMENTS [torch]: one pip call for the file (and torch==TORCH_PIN too, when
+# asked and .venv has none), skipped when .venv already holds exactly that file's pins (a copy of
+# it beside .venv says so).
 pip_install() {
   local reqs="$1" stamp="$venv/.lockstep-$(basename "$(dirname "$1")")-requirements"
   local torch=()
-  # torch: LibTorch for the build, unless LOCKSTEP_TORCH names one; the tests always need it.
-  if [[ -z "${LOCKSTEP_TORCH:-}" || "$reqs" == */tests/* ]]; then
+  if [[ "${2:-}" == torch ]]; then
     "$venv/bin/python" -c "import torch" 2>/dev/null || torch=("torch==$TORCH_PIN")
   fi
   if ((${#torch[@]} == 0)) && cmp -s "$reqs" "$stamp"; then return; fi
   say "installing ${torch[*]:+${torch[*]} and }${reqs#"$LOCKSTEP_ROOT"/} into .venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "${torch[@]}" -r "$reqs" 2>&1 \
-    | { grep -v "^WARNING: Location" || true; } \
-    || die "pip install -r $reqs failed; see the lines above"
+  pip_quiet "${torch[@]}" -r "$reqs" || die "pip install -r $reqs failed; see the lines above"
   cp "$reqs" "$stamp"
 }
 if [[ ! -x "$venv/bin/python" ]]; then
   say "creating .venv"
   python3 -m venv "$venv" || die "python3 -m venv failed; install python3-venv"
 fi
-pip_install "$LOCKSTEP_ROOT/launch/requirements.txt"
-((tests)) && pip_install "$LOCKSTEP_ROOT/tests/requirements.txt"
+# torch: LibTorch for the build, unless LOCKSTEP_TORCH names one; the tests need it either way.
+pip_install "$LOCKSTEP_ROOT/launch/requirements.txt" "$([[ -z "${LOCKSTEP_TORCH:-}" ]] && echo torch)"
+((tests)) && pip_install "$LOCKSTEP_ROOT/tests/requirements.txt" torch
 TORCH_PREFIX=""
 if [[ -n "${LOCKSTEP_TORCH:-}" ]]; then
   for cand in "$LOCKSTEP_TORCH/share/cmake" "$LOCKSTEP_TORCH"; do
@@ -96,8 +100,7 @@ titan_pins="$LOCKSTEP_ROOT/python/examples/torchtitan-requirements.txt"
 if ((tests)) && [[ "$(cat "$LOCKSTEP_ROOT/.titan/.pins" 2>/dev/null)" != "$(cat "$titan_pins")" ]]; then
   say "installing torchtitan into .titan (python/examples/torchtitan-requirements.txt)"
   rm -rf "$LOCKSTEP_ROOT/.titan"
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps \
-    --target "$LOCKSTEP_ROOT/.titan" -r "$titan_pins" 2>&1 | { grep -v "^WARNING: Location" || true; } \
+  pip_quiet --no-deps --target "$LOCKSTEP_ROOT/.titan" -r "$titan_pins" \
     || die "pip install of torchtitan into .titan failed (the torchtitan example's test needs it)"
   cp "$titan_pins" "$LOCKSTEP_ROOT/.titan/.pins"
 fi
