@@ -327,9 +327,11 @@ int diagnose(const Cli& c) {
     const std::string path = c.quarantine.empty() ? c.diag_dir + "/quarantine.txt" : c.quarantine;
     lockstep::write_quarantine(path, summary);
     if (!c.json)
-      fmt::print("quarantine: {} sample id(s) written to {}; resume without them: "
-                 "--data.exclude_ids_file {}\n",
-                 summary["quarantine"].size(), path, path);
+      fmt::print("quarantine: {} sample id(s) written to {}; {}\n", summary["quarantine"].size(),
+                 path,
+                 summary["loop"] == "pytorch"
+                     ? "drop these ids in your data loader before you resume"
+                     : fmt::format("resume without them: --data.exclude_ids_file {}", path));
   }
   return 0;
 }

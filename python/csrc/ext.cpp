@@ -41,9 +41,27 @@ std::vector<NamedTensor> named(const std::vector<std::string>& names,
   return out;
 }
 
+// Every shape that comes from Python is checked before a pointer reads it (a ValueError naming
+// what was expected): a table of `world` rows of `columns` values.
+void expect_table(const at::Tensor& t, const char* what, int64_t world, int64_t columns) {
+  if (t.dim() != 2 || t.size(0) != world || t.size(1) != columns)
+    throw std::invalid_argument(fmt::format("{}: shape [{}]; expected [{}, {}] (one row per rank)",
+                                            what, fmt::join(t.sizes(), ", "), world, columns));
+}
+
+// One check's buffer (the header, then a pair per tensor) for `tensors` tensors.
+void expect_stats(const std::optional<at::Tensor>& s, const char* what, size_t tensors) {
+  const int64_t want = kernels::kStatsHeader + 2 * static_cast<int64_t>(tensors);
+  if (s && (s->dim() != 1 || s->numel() != want))
+    throw std::invalid_argument(fmt::format("{}: {} values; expected {} (the header and 2 per "
+                                            "parameter, in the guard's parameter order)",
+                                            what, s->numel(), want));
+}
+
 // [W, 9] fp64 (any device) as the rows the host decision reads.
-std::vector<RankStats> rows_of(const at::Tensor& table) {
-  const at::Tensor t = table.to(at::kCPU, at::kDouble).contiguous().reshape({-1, kRankStatsDoubles});
+std::vector<RankStats> rows_of(const at::Tensor& table, int64_t world) {
+  expect_table(table, "the stats table", world, kRankStatsDoubles);
+  const at::Tensor t = table.to(at::kCPU, at::kDouble).contiguous();
   std::vector<RankStats> out(static_cast<size_t>(t.size(0)));
   std::memcpy(static_cast<void*>(out.data()), t.const_data_ptr<double>(),
               sizeof(RankStats) * out.size());
@@ -79,7 +97,7 @@ class Core {
         detector_(config_.skip, config_.training, world),
         tensors_(config_.skip, names, nullptr),
         explainer_(config_.skip, config_.diagnostics.top_params, rank, unnamed(std::move(names)),
-                   host, device),
+                   host, device, "pytorch"),
         run_dir_(run_dir) {
     counters_.world_size = world;
   }
@@ -87,13 +105,17 @@ class Core {
   std::string config_json() const { return to_json(config_); }
 
   // The host decision of a step from the all-gathered table ([W, 9]).
-  Verdict decide(const at::Tensor& table) const { return detector_.decide(rows_of(table)); }
+  Verdict decide(const at::Tensor& table) const {
+    return detector_.decide(rows_of(table, world_));
+  }
 
   // The device decision of `step` (its own state, uploaded from the host's at the first call):
   // found_inf and grad_scale on the table's device, for the fused optimizer; with the
   // per-tensor policies (the table's rows then end with each rank's per-tensor sums) each
   // tensor's factor and reset flag there too (else None).
   py::tuple decide_on_device(const at::Tensor& table, int64_t step) {
+    expect_table(table, "the stats table", world_,
+                 kRankStatsDoubles + (tensors_.active() ? n_tensors() : 0));
     if (!device_)
       device_ = std::make_unique<DeviceDecision>(table.device(), world_, detector_,
                                                  tensors_.device_start());
@@ -106,6 +128,7 @@ class Core {
   // the same table (the per-tensor part too); they must agree bit for bit (else an error
   // naming both).
   std::pair<Verdict, at::Tensor> read_device(int64_t step) {
+    if (!device_) throw std::invalid_argument("read_device: nothing was decided on the device");
     const DeviceDecision::Late late = device_->read(step);
     Verdict v = detector_.decide(late.table);
     expect_same_decision(step, v, v.clip, late);
@@ -124,6 +147,10 @@ class Core {
       samples.losses.assign(static_cast<size_t>(world_), {});
     }
     check_sample_table(samples);  // before anything counts: every rank raises at the same step
+    check_sample_table({{mine.sample_ids}, {mine.sample_losses}});
+    expect_stats(mine.local_stats, "local_stats", n_tensors());
+    expect_stats(mine.shard_stats, "shard_stats", n_tensors());
+    const std::vector<RankStats> rows = rows_of(table, world_);
     count(counters_, v, tokens, counters_.data_position);
     std::string message;
     if (v.anomalous()) {
@@ -134,7 +161,7 @@ class Core {
       step.local_checked = mine.local_stats.has_value();
       if (mine.local_stats) step.local = GradCheck::read(mine.local_stats->to(at::kCPU));
       if (mine.shard_stats) step.shard = GradCheck::read(mine.shard_stats->to(at::kCPU));
-      const Event e = explainer_.event(counters_, step, v, rows_of(table), samples, detector_, lr);
+      const Event e = explainer_.event(counters_, step, v, rows, samples, detector_, lr);
       if (!run_dir_.empty()) {  // the file appears with its first event
         if (!events_)
           events_ = std::make_unique<JsonlWriter>(
@@ -158,6 +185,7 @@ class Core {
   // the guard's parameter order; noted in `v`, the thresholds advanced on a taken step.
   std::pair<std::vector<double>, std::vector<bool>> decide_tensors(const at::Tensor& sums,
                                                                    Verdict& v) {
+    expect_table(sums, "the per-tensor sums", world_, n_tensors());
     const TensorActions a = tensors_.decide(tensors_.norms(sums, v.loss_scale), v);
     const std::vector<std::string>& names = tensors_.names();
     std::vector<double> factors(names.size(), 1.0);
@@ -200,6 +228,8 @@ class Core {
   }
 
  private:
+  int64_t n_tensors() const { return static_cast<int64_t>(tensors_.names().size()); }
+
   static std::vector<NamedTensor> unnamed(std::vector<std::string> names) {
     std::vector<NamedTensor> out;
     for (auto& n : names) out.push_back({std::move(n), at::Tensor()});

@@ -103,7 +103,7 @@ class GuardedTrainer(titan.Trainer):
     def _guarded_step(self, closure=None):
         # The rank's mean loss (every rank holds as many tokens: the sum x the batch degree).
         verdict = self.guard.step(self._loss * self._batch_degree)
-        if verdict is not None:  # None: decided on the device, read a step later
+        if verdict.ready:  # decided on the device, it is read at the next step (no wait here)
             self._grad_norm.fill_(verdict.grad_norm)
 
     def _no_clip(self, *args, **kwargs):

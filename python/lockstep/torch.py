@@ -11,10 +11,12 @@ applies the verdict to the optimizer. docs/pytorch.md says what each part does a
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import socket
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +58,33 @@ class StepAborted(RuntimeError):
     skip.enabled is false and a gradient is nonfinite, or on_global_spike = "abort"). Parameters
     and optimizer state are those of the last update; save nothing newer than your last
     checkpoint, fix the cause (the message and `lockstep diag RUN_DIR` name it), and resume."""
+
+
+class MisuseError(RuntimeError):
+    """Raised on every rank at the step where the guard sees a mistake in the loop, on any rank:
+    the message names the rank, the mistake and the fix. Nothing of that step was applied (no
+    update, no count); fix the loop and run again."""
+
+
+# What a rank can get wrong in one guard.step call, by code. The code and two numbers of the rank
+# that made the mistake ride in the exchanged row, so every rank raises the same MisuseError at
+# the same step (none waits in a collective for a rank that raised alone).
+MISUSES = {
+    1: "passed a Python number as the loss; pass the loss tensor itself (`loss`, not "
+       "`loss.item()`), after loss.backward()",
+    2: "called guard.step with no gradients ({a:.0f} parameters, none with .grad); call it after "
+       "loss.backward() and before optimizer.zero_grad()",
+    3: "passed sample_ids without sample_losses; pass both (each sample's own loss, in the ids' "
+       "order) or neither",
+    4: "passed sample_losses without sample_ids; pass both (each sample's id, in the losses' "
+       "order) or neither",
+    5: "passed {a:.0f} sample ids and {b:.0f} sample losses; pass one loss per id, in the same "
+       "order",
+    6: "called scheduler.step() outside guard.step ({a:.0f} time(s) since the guard's last step); "
+       "the guard steps the scheduler you passed it: remove your scheduler.step()",
+    7: "passed a loss of {a:.0f} elements; pass this rank's mean loss (a one-element tensor)",
+}
+_MISUSE_COLUMNS = 3  # the code, then its two numbers
 
 
 def _text(key, value):
@@ -142,13 +171,73 @@ def _grad_parts(params):
     return [g._local_tensor for g in grads], True
 
 
+class Verdict:
+    """The agreed verdict of one guard.step, the same on every rank: `step` (the guard's count,
+    1-based), `decision` ("step", "skip", "clip" or "abort"), `reasons`, `grad_norm`, `loss`,
+    `clip`, `culprit_ranks`, `scope`, `cause`, ... (docs/pytorch.md lists them).
+
+    Decided on the device (a fused AdamW), the verdict stays there until a field is read (that
+    read waits for the device) or the next guard.step reads it, whichever comes first; `ready`
+    says whether it has been read."""
+
+    __slots__ = ("step", "_guard", "_core")
+
+    def __init__(self, step, guard, core=None):
+        self.step, self._guard, self._core = step, guard, core
+
+    @property
+    def ready(self):
+        return self._core is not None
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._core is None:
+            self._guard._settle(self)
+        return getattr(self._core, name)
+
+    def __repr__(self):
+        if self._core is None:
+            return f"Verdict(step {self.step}, decided on the device, not read yet)"
+        return f"Verdict(step {self.step}, {repr(self._core)[len('Verdict('):]}"
+
+
+def _zero_step(optimizer):
+    """A step at learning rate 0 over zero gradients: how torch.distributed.checkpoint's
+    get_state_dict / set_state_dict create a fresh optimizer's state (it moves no weight)."""
+    groups = optimizer.param_groups
+    return all(float(g.get("lr", 0.0)) == 0.0 for g in groups) and all(
+        p.grad is None or not bool(p.grad.any()) for g in groups for p in g["params"])
+
+
+def _refuse_outside(guard, optimizer, args, kwargs):
+    if guard() is not None and not _zero_step(optimizer):  # a guard that is gone refuses nothing
+        guard()._outside_step()
+
+
+def _claim(optimizer, guard):
+    """A step pre-hook on each optimizer behind `optimizer` that refuses a step outside
+    guard.step (replacing an earlier guard's: the newest guard of an optimizer owns its step)."""
+    hooks = []
+    for o in getattr(optimizer, "optimizers", None) or [optimizer]:
+        if not hasattr(o, "register_step_pre_hook"):
+            continue
+        if getattr(o, "_lockstep_hook", None) is not None:
+            o._lockstep_hook.remove()
+        o._lockstep_hook = o.register_step_pre_hook(functools.partial(_refuse_outside,
+                                                                      weakref.ref(guard)))
+        hooks.append(o._lockstep_hook)
+    return hooks
+
+
 @dataclass
 class _Pending:  # a device-decided step whose verdict the host reads a step later
-    step: int
+    verdict: Verdict
     mine: object
     samples: tuple | None
     lr: float
     tokens: int
+    misuse: object  # the exchanged misuse columns, copied to the host without a wait
 
 
 class SkipGuard:
@@ -191,6 +280,7 @@ class SkipGuard:
         self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = device
         self.core = _C.Core(text, origin, _overrides(config, overrides), self.rank, self.world,
                             self.names, self.run_dir, socket.gethostname(), str(device))
         self.config = json.loads(self.core.config_json())
@@ -209,6 +299,9 @@ class SkipGuard:
         self._local_parts = []
         self._pending = None
         self.last_verdict = None
+        self._epoch = None  # the scheduler's last_epoch after the guard's last step
+        self._inside = False  # the guard's own optimizer.step() is running
+        self._hooks = _claim(optimizer, self)
         if ddp is not None:
             self.attach_ddp(ddp)
 
@@ -282,6 +375,36 @@ class SkipGuard:
         check = self._checks.setdefault(key, _C.Check(names, offset, length))
         return check.run(grads), grads
 
+    def _misuse(self, loss, params, sample_ids, sample_losses):
+        """This rank's mistake in this call, as (code, a, b) (code 0: none); see MISUSES."""
+        if not torch.is_tensor(loss):
+            return 1, 0, 0
+        if loss.numel() != 1:
+            return 7, loss.numel(), 0
+        if not params:
+            return 2, len(self.params), 0
+        if (sample_ids is None) != (sample_losses is None):
+            return (3 if sample_losses is None else 4), 0, 0
+        if sample_ids is not None and len(sample_ids) != len(sample_losses):
+            return 5, len(sample_ids), len(sample_losses)
+        if self.scheduler is not None and self._epoch is not None \
+                and self.scheduler.last_epoch != self._epoch:
+            return 6, self.scheduler.last_epoch - self._epoch, 0
+        return 0, 0, 0
+
+    def _refuse(self, misuse):
+        """Raises MisuseError on every rank if any rank's row carries a mistake ([W, 3] fp64)."""
+        codes = misuse.cpu().tolist()
+        bad = [(r, row) for r, row in enumerate(codes) if row[0] != 0]
+        if not bad:
+            return
+        self._local_parts = []
+        r, (code, a, b) = bad[0]
+        also = f" (and rank{'s' if len(bad) > 2 else ''} {', '.join(str(x) for x, _ in bad[1:])})" \
+            if len(bad) > 1 else ""
+        raise MisuseError(f"lockstep guard: rank {r}{also} "
+                          f"{MISUSES[int(code)].format(a=a, b=b)}; nothing of this step was applied")
+
     def _row(self, shard, local, loss, stop, sample_losses):
         """This rank's 72-byte row, in the field order of lockstep's stats table."""
         dev = shard.device
@@ -299,6 +422,9 @@ class SkipGuard:
                  "overflow_runs": shard[2:3], "bad_samples": bad,
                  "compute_seconds": zero}  # stragglers: the harness's, not measured here
         return torch.cat([field[name] for name in _C.STATS_FIELDS])
+
+    def _row_width(self):
+        return len(_C.STATS_FIELDS) + (len(self.params) if self._tensors else 0)
 
     def _exchange(self, row):
         if self.world == 1:
@@ -322,32 +448,55 @@ class SkipGuard:
         table.losses = [losses for _, losses in every]
         return table
 
+    def _measure(self, loss, params, misuse, sample_losses, stop):
+        """This rank's row (its stats, its per-tensor sums when a policy needs them, then its
+        misuse columns) and its own side of the step; a rank that made a mistake sends zeros
+        and a nonfinite count of 1, so no rank updates whatever is decided."""
+        if misuse[0]:
+            self._local_parts = []
+            row = torch.zeros(self._row_width(), dtype=torch.float64, device=self.device)
+            row[_C.STATS_FIELDS.index("shard_nonfinite")] = 1
+            shard = grads = local = None
+        else:
+            shard, grads = self._shard_stats(params)
+            local = self._local_stats()
+            row = self._row(shard, local, loss, stop, sample_losses)
+            if self._tensors:  # each tensor's partial sum of squares rides in the same exchange
+                row = torch.cat([row, self._tensor_sums(shard, params)])
+        codes = torch.tensor(misuse, dtype=torch.float64, device=row.device)
+        mine = _C.LocalStep()
+        if shard is not None:
+            mine.local_stats = local  # the DDP hook's stats are in the guard's order already
+            mine.shard_stats = self._in_guard_order(shard, params)
+        return torch.cat([row, codes]), mine, grads
+
     @torch.no_grad()
     def step(self, loss, *, sample_ids=None, sample_losses=None, tokens=0, stop=False):
         """After backward(), instead of clip_grad_norm_ + optimizer.step(): checks this rank's
         gradients, exchanges one row per rank, decides, and steps, clips or skips. Returns the
-        verdict (decision, reasons, grad_norm, clip, culprit_ranks, ...); on the device path the
-        verdict of the previous step (None at the first), read a step late. Raises StepAborted
-        on every rank when the agreed decision is to stop. `loss`: this rank's mean loss;
-        `sample_ids`/`sample_losses`: this rank's samples and their own losses (events name
-        the suspects; pass them on every rank or on none: an anomalous step exchanges them);
-        `stop`: this rank asks all to stop (the verdict's `stop` is agreed)."""
-        self._step += 1
+        step's Verdict (`verdict.step`, `verdict.decision`, ...; decided on the device, it is
+        read when first used). Raises StepAborted on every rank when the agreed decision is to
+        stop, MisuseError on every rank when any rank's call is wrong (MISUSES). `loss`: this
+        rank's mean loss (a tensor); `sample_ids`/`sample_losses`: this rank's samples and their
+        own losses (events name the suspects; both or neither, on every rank or on none: an
+        anomalous step exchanges them); `stop`: this rank asks all to stop (the verdict's
+        `stop` is agreed)."""
         params = [p for p in self.params if p.grad is not None]
-        shard, grads = self._shard_stats(params)
-        local = self._local_stats()
-        row = self._row(shard, local, loss, stop, sample_losses)
-        if self._tensors:  # each tensor's partial sum of squares rides in the same exchange
-            row = torch.cat([row, self._tensor_sums(shard, params)])
+        misuse = self._misuse(loss, params, sample_ids, sample_losses)
+        row, mine, grads = self._measure(loss, params, misuse, sample_losses, stop)
         whole = self._exchange(row)
+        codes = whole[:, -_MISUSE_COLUMNS:]
+        whole = whole[:, :-_MISUSE_COLUMNS]
         sums, table = whole[:, len(_C.STATS_FIELDS):], whole[:, :len(_C.STATS_FIELDS)]
-        mine = _C.LocalStep()
-        mine.local_stats, mine.shard_stats = local, shard
-        mine.sample_ids = list(map(int, sample_ids)) if sample_ids is not None else []
-        mine.sample_losses = list(map(float, sample_losses)) if sample_losses is not None else []
+        if not self.on_device:
+            self._refuse(codes)  # the host path reads the table anyway: no extra wait
+        self._step += 1
+        if sample_ids is not None:
+            mine.sample_ids = list(map(int, sample_ids))
+            mine.sample_losses = list(map(float, sample_losses))
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.on_device:  # the per-tensor sums, if any, go along
-            return self._step_on_device(whole, mine, loss, lr, tokens, sample_ids, sample_losses)
+            return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses, codes)
         v = self.core.decide(table)
         factors = self._tensor_actions(sums, v, params)
         if v.updates:
@@ -356,11 +505,40 @@ class SkipGuard:
             clipped = [(g, f) for g, f in zip(grads, factors) if f < 1.0]
             if clipped:  # AdaGC: the tensors above their own bound, scaled down to it
                 torch._foreach_mul_([g for g, _ in clipped], [f for _, f in clipped])
-            self.optimizer.step()
+            self._optimizer_step()
         self._advance_scheduler(v.updates)
         mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
         self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
-        return v
+        return Verdict(self._step, self, v)
+
+    def _in_guard_order(self, stats, params):
+        """A check's buffer over `params` (those with gradients) as one over all of the guard's
+        parameters, in its order (zeros for a parameter without a gradient this step)."""
+        if len(params) == len(self.params):
+            return stats
+        head = _C.STATS_HEADER
+        out = torch.zeros(head + 2 * len(self.params), dtype=stats.dtype, device=stats.device)
+        out[:head] = stats[:head]
+        for j, p in enumerate(params):
+            i = self._index[id(p)]
+            out[head + 2 * i: head + 2 * i + 2] = stats[head + 2 * j: head + 2 * j + 2]
+        return out
+
+    def _optimizer_step(self):
+        """The optimizer's step, the one the guard allows (its pre-hook refuses any other)."""
+        self._inside = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._inside = False
+
+    def _outside_step(self):
+        if not self._inside:
+            raise MisuseError(
+                f"lockstep guard: rank {self.rank} called optimizer.step() outside guard.step "
+                f"(after the guard's step {self._step}); guard.step(loss) already steps, clips or "
+                "skips the optimizer: remove your optimizer.step() (a second one would apply the "
+                "gradient twice, and a skipped step's bad gradient)")
 
     def _tensor_sums(self, shard, params):
         """This rank's partial sum of squares of every tensor, in the guard's parameter order
@@ -403,39 +581,63 @@ class SkipGuard:
         _apply_values(moments, where, resets, 1)
         _apply_values(_grad_parts(params)[0], [self._index[id(p)] for p in params], factors, 0)
 
-    def _step_on_device(self, table, mine, loss, lr, tokens, sample_ids, sample_losses):
+    def _step_on_device(self, table, mine, lr, tokens, sample_ids, sample_losses, codes):
+        """The device decides (found_inf, grad_scale for the fused optimizer); a misuse row
+        counts a nonfinite element, so nothing updates; the host reads the verdict and the misuse
+        columns (copied without a wait) at the next step."""
         found_inf, grad_scale, factors, resets = self.core.decide_on_device(table, self._step)
         if factors is not None:
             self._tensor_actions_on_device(factors, resets)
         self.optimizer.found_inf, self.optimizer.grad_scale = found_inf, grad_scale
         try:
-            self.optimizer.step()
+            self._optimizer_step()
         finally:
             del self.optimizer.found_inf, self.optimizer.grad_scale
         self._advance_scheduler(True)
+        verdict = Verdict(self._step, self)
         previous, self._pending = self._pending, _Pending(
-            self._step, mine, (sample_ids, sample_losses), lr, tokens)
-        return self._finish_pending(previous)
+            verdict, mine, (sample_ids, sample_losses), lr, tokens,
+            codes.to("cpu", non_blocking=True))
+        self._finish_pending(previous)
+        return verdict
 
     def _finish_pending(self, p):
         if p is None:
             return None
-        v, table = self.core.read_device(p.step)
+        self._refuse(p.misuse)
+        v, table = self.core.read_device(p.verdict.step)
         p.mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
+        p.verdict._core = v
         self._finish(v, table, p.mine, self._samples(v, *p.samples), p.lr, p.tokens)
-        return v
+        return p.verdict
+
+    def _settle(self, verdict):
+        """Reads a device-decided verdict now (a field of it was used before the next step)."""
+        if self._pending is None or self._pending.verdict is not verdict:
+            raise RuntimeError(f"the verdict of step {verdict.step} was never read: the guard's "
+                               "state was loaded over it")
+        self.flush()
 
     def flush(self):
         """Finishes the device-decided step still pending (its counters, its event; raises
-        StepAborted if it was an abort). state_dict() and close() call it."""
+        StepAborted if it was an abort) and returns its Verdict (None if none is pending).
+        state_dict() and close() call it."""
         p, self._pending = self._pending, None
         return self._finish_pending(p)
 
-    close = flush
+    def close(self):
+        """flush(), then gives the optimizer back: its step() is no longer refused outside the
+        guard."""
+        self.flush()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _advance_scheduler(self, updated):
         if self.scheduler is not None and (updated or self.config["lr_scheduler"]["on_skip"] == "advance"):
             self.scheduler.step()
+        if self.scheduler is not None:
+            self._epoch = self.scheduler.last_epoch
 
     def _finish(self, v, table, mine, samples, lr, tokens):
         message = self.core.finish(v, table, mine, samples, lr, tokens)
@@ -454,7 +656,21 @@ class SkipGuard:
         return {"lockstep": self.core.state(), "step": self._step}
 
     def load_state_dict(self, state):
+        """What state_dict() returned (through torch.save or torch.distributed.checkpoint). Saved
+        by another number of ranks, the global windows, guards and counters carry over and each
+        rank's own windows fill again (a line says so)."""
+        try:
+            saved = json.loads(state["lockstep"])["world_size"]
+        except (TypeError, KeyError, ValueError) as e:
+            raise ValueError(f"guard state: not a lockstep guard state ({type(e).__name__}: {e}); "
+                             "pass what guard.state_dict() returned") from None
+        if saved != self.world:
+            log.log(logging.WARNING if self.rank == 0 else logging.DEBUG,
+                    f"lockstep guard: state saved by {saved} rank(s), loaded on {self.world}: the "
+                    "global windows, guards and counters carry over; each rank's own windows fill "
+                    "again")
         self._pending = None
+        self._epoch = None  # a scheduler loaded with it may stand anywhere
         self.core.load_state(state["lockstep"])
         self._step = int(state["step"])
 

@@ -56,6 +56,7 @@ json event_summary(int64_t step, const std::map<int64_t, json>& ranks) {
   const json& any = ranks.begin()->second;  // agreed fields are the same on every rank
   json ev = {{"step", step},
              {"decision", any["decision"]},
+             {"loop", any.value("loop", "lockstep")},
              {"scope", any["scope"]},
              {"cause", any["cause"]},
              {"reasons", any["reasons"]},
@@ -80,6 +81,8 @@ json event_summary(int64_t step, const std::map<int64_t, json>& ranks) {
                         {"loss", e["local"]["loss"]},
                         {"grad_norm", e["local"]["grad_norm"]},
                         {"nonfinite", e["local"]["nonfinite"]},
+                        // its own gradient was checked (else: only its shard of the combined one)
+                        {"own_checked", e["local"]["top_params_scope"] == "local"},
                         {"grad_norm_z", row.value("grad_norm_z", json("NaN"))},
                         {"loss_z", row.value("loss_z", json("NaN"))},
                         {"top_params", e["local"]["top_params"]},
@@ -216,7 +219,10 @@ json diagnose(const std::string& run_dir) {
   };
   std::vector<int64_t> quarantine;
   for (const auto& [id, n] : bad) quarantine.push_back(id);
+  bool pytorch = false;  // written by lockstep.torch's guard: the user's loop, not lockstep's
+  for (const auto& ev : events) pytorch = pytorch || ev["loop"] == "pytorch";
   return {{"run_dir", run_dir},
+          {"loop", pytorch ? "pytorch" : "lockstep"},
           {"world_size", world},
           {"events", events},
           {"skips", decisions["skip"]},
@@ -266,6 +272,11 @@ std::string culprit_line(const json& pr, const json& thresholds) {
                                        p["nonfinite"].get<int64_t>())
                          : fmt::format("{} (norm {})", p["name"].get<std::string>(), num(p["norm"])));
   }
+  if (!pr.value("own_checked", true))  // FSDP2: no gradient of its own to show, its loss only
+    return fmt::format("             rank {}: loss {}; its own gradient is not checked (combined "
+                       "across ranks before the check); top parameters of its shard: {}\n",
+                       pr["rank"].get<int64_t>(), num(pr["loss"]),
+                       params.empty() ? "-" : fmt::format("{}", fmt::join(params, ", ")));
   std::string z;
   if (pr["grad_norm_z"].is_number() || pr["loss_z"].is_number())
     z = fmt::format(", own z: grad norm {}, loss {}",
@@ -307,7 +318,10 @@ std::string format_event(const json& ev) {
       culprits.empty() ? std::string("none") : fmt::format("{}", fmt::join(culprits, ",")));
   const std::string scope = ev["scope"].get<std::string>(), cause = ev["cause"].get<std::string>();
   if (!scope.empty())
-    out += fmt::format("             scope {}, cause {}{}\n", scope, cause.empty() ? "unknown (no replay)" : cause,
+    out += fmt::format("             scope {}, cause {}{}\n", scope,
+                       !cause.empty()               ? cause
+                       : ev["loop"] == "pytorch"    ? std::string("unknown")
+                                                    : std::string("unknown (no replay)"),
                        ev["dropped_ranks"].empty() ? "" : fmt::format("; dropped rank {}", fmt::join(ev["dropped_ranks"].get<std::vector<int64_t>>(), ", ")));
   if (const std::string z = zscores_text(ev); !z.empty()) out += "             " + z + "\n";
   if (cause.find("transient_fault") != std::string::npos)  // the numbers above are the replay's
@@ -377,9 +391,12 @@ std::string format_diagnosis(const json& d) {
 void write_quarantine(const std::string& path, const json& d) {
   std::string text = fmt::format(
       "# lockstep quarantine: the bad sample ids (their own loss nonfinite or an outlier in its\n"
-      "# batch) of the skip and abort events of {}\n"
-      "# resume without them: lockstep train ... --data.exclude_ids_file {}\n",
-      d["run_dir"].get<std::string>(), path);
+      "# batch) of the skip and abort events of {}\n{}",
+      d["run_dir"].get<std::string>(),
+      d.value("loop", "lockstep") == "pytorch"
+          ? "# drop these ids in your data loader before you resume\n"
+          : fmt::format("# resume without them: lockstep train ... --data.exclude_ids_file {}\n",
+                        path));
   for (const auto& id : d["quarantine"]) text += fmt::format("{}\n", id.get<int64_t>());
   fs::write_file_atomic(path, text);
 }

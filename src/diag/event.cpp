@@ -162,6 +162,7 @@ json to_json(const Event& e) {
            {{"max_grad_norm", t.max_grad_norm}, {"grad_norm_zscore", t.grad_norm_zscore},
             {"loss_zscore", t.loss_zscore}, {"min_history", t.min_history}}},
           {"rank", e.rank},
+          {"loop", e.loop},
           {"local", to_json(e.local)},
           {"ranks", ranks},
           {"culprit_ranks", e.culprit_ranks},
@@ -193,6 +194,7 @@ Event event_from_json(const json& j) {
   e.thresholds = {t.at("max_grad_norm").get<double>(), t.at("grad_norm_zscore").get<double>(),
                   t.at("loss_zscore").get<double>(), t.at("min_history").get<int64_t>()};
   e.rank = j.at("rank").get<int>();
+  e.loop = j.value("loop", "lockstep");
   e.local = local_from_json(j.at("local"));
   for (const auto& r : j.at("ranks")) e.ranks.push_back(row_from_json(r));
   e.culprit_ranks = j.at("culprit_ranks").get<std::vector<int>>();

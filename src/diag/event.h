@@ -74,6 +74,7 @@ struct Event {
   Window window;
   Thresholds thresholds;
   int rank = 0;  // the rank that wrote it
+  std::string loop = "lockstep";  // whose loop: "lockstep" (its trainer) or "pytorch" (the guard)
   Local local;
   std::vector<RankRow> ranks;
   std::vector<int> culprit_ranks;

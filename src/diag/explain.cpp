@@ -24,6 +24,17 @@ std::string culprits_text(const std::vector<int>& culprits) {
                      fmt::join(culprits, ", "));
 }
 
+// How many ranks' own values stand out in the event's table.
+int64_t elevated_ranks(const Event& e) {
+  int64_t elevated = 0;
+  for (const auto& r : e.ranks)
+    elevated += r.local_nonfinite > 0 || r.grad_norm_z > e.thresholds.grad_norm_zscore ||
+                        r.loss_z > e.thresholds.loss_zscore
+                    ? 1
+                    : 0;
+  return elevated;
+}
+
 std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, const Verdict& v) {
   std::vector<Event::RankRow> rows;
   for (size_t r = 0; r < table.size(); ++r) {
@@ -126,13 +137,15 @@ std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
 }
 
 Explainer::Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
-                     std::vector<NamedTensor> grads, std::string host, std::string device)
+                     std::vector<NamedTensor> grads, std::string host, std::string device,
+                     std::string loop)
     : thresholds_(thresholds),
       top_params_(top_params),
       rank_(rank),
       grads_(std::move(grads)),
       host_(std::move(host)),
-      device_(std::move(device)) {}
+      device_(std::move(device)),
+      loop_(std::move(loop)) {}
 
 Event Explainer::event(const RunCounters& after, const RankStep& mine, const Verdict& v,
                        const std::vector<RankStats>& table,
@@ -154,6 +167,7 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
   e.thresholds = {thresholds_.max_grad_norm, thresholds_.grad_norm_zscore,
                   thresholds_.loss_zscore, thresholds_.min_history};
   e.rank = rank_;
+  e.loop = loop_;
   const GradCheckStats& own = mine.local_checked ? mine.local : mine.shard;
   e.local = {mine.loss,
              mine.local_checked ? norm_of(own.nonfinite, own.sumsq) / scale : Event::kNaN,
@@ -167,6 +181,10 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
              host_,
              device_};
   e.ranks = rank_rows(table, v);
+  // With no check of each rank's own gradient (FSDP2, or diagnostics.local_check off) the ranks'
+  // gradients were mixed before any check: a global verdict no rank's own values explain says
+  // nothing of the cause.
+  if (!mine.local_checked && e.scope == "global" && elevated_ranks(e) == 0) e.cause = "";
   e.culprit_ranks = v.culprit_ranks;
   SampleEvidence evidence = judge_samples(v, samples, thresholds_.loss_zscore);
   e.quarantine_sample_ids = std::move(evidence.quarantine);
@@ -189,12 +207,10 @@ namespace {
 // not data)".
 std::string scope_text(const Event& e) {
   if (e.scope == "global") {
-    int64_t elevated = 0;
-    for (const auto& r : e.ranks)
-      elevated += r.local_nonfinite > 0 || r.grad_norm_z > e.thresholds.grad_norm_zscore ||
-                          r.loss_z > e.thresholds.loss_zscore
-                      ? 1
-                      : 0;
+    const int64_t elevated = elevated_ranks(e);
+    if (elevated == 0 && e.local.top_params_scope != "local")
+      return "global: no rank can be named (the ranks' gradients were combined before the check, "
+             "and no rank's own loss stands out)";
     return fmt::format("global: {} (instability, not data)",
                        elevated > 0 ? fmt::format("{} of {} ranks' own values elevated", elevated,
                                                   e.ranks.size())
@@ -235,20 +251,38 @@ std::string numbers_text(const Event& e) {
                      static_cast<int64_t>(e.global.nonfinite), e.global.loss);
 }
 
+// A setting as the loop that wrote the event takes it: "skip.enabled = true" for lockstep's
+// trainer, "skip_enabled=True" for the guard's keywords.
+std::string setting(const Event& e, const std::string& key, const std::string& value) {
+  if (e.loop != "pytorch") return key + " = " + value;
+  std::string keyword = key;
+  keyword[keyword.find('.')] = '_';
+  return keyword + "=" + (value == "true" ? "True" : value == "false" ? "False" : value);
+}
+
 // How to go past the guard that fired, and what it means.
 std::string guard_hint(const Event& e, const std::string& run_dir) {
-  const std::string exclude = fmt::format(
-      "exclude the bad samples with `lockstep diag {}` and data.exclude_ids_file", run_dir);
+  const bool pytorch = e.loop == "pytorch";
+  const std::string exclude =
+      pytorch ? fmt::format("drop the bad samples in your data loader (`lockstep diag {} "
+                            "--quarantine FILE` writes their ids)",
+                            run_dir)
+              : fmt::format("exclude the bad samples with `lockstep diag {}` and "
+                            "data.exclude_ids_file",
+                            run_dir);
   if (e.guard.rfind("skip.enabled", 0) == 0)
-    return exclude + ", or set skip.enabled = true to skip such steps";
+    return exclude + ", or set " + setting(e, "skip.enabled", "true") + " to skip such steps";
   if (e.guard.rfind("skip.on_global_spike", 0) == 0)
     return "most ranks' own values spiked together: the model or optimizer state, not a batch; "
-           "lower the learning rate, or set skip.on_global_spike = \"clip\" to take such steps "
-           "clipped";
+           "lower the learning rate, or set " +
+           setting(e, "skip.on_global_spike", "\"clip\"") + " to take such steps clipped";
   if (e.guard.rfind("skip.on_hardware_fault", 0) == 0)
     return fmt::format("drain the host of rank {} (`lockstep diag {}` lists the suspects) and run "
                        "the same command without it; exit code 5",
                        fmt::join(e.hardware_suspects, ", "), run_dir);
+  if (pytorch)
+    return exclude + "; to go past this guard, raise its limit, or load the guard's state with " +
+           setting(e, "skip.reset_guards_on_resume", "true");
   return exclude + "; to resume past this guard, run the same command with "
                    "--skip.reset_guards_on_resume true (or raise the guard's limit)";
 }

@@ -16,9 +16,18 @@ void apply_tensor_values(const std::vector<at::Tensor>& targets,
   if (targets.size() != index.size())
     throw std::invalid_argument(fmt::format("{} targets for {} indices", targets.size(),
                                             index.size()));
+  if (op != kernels::kScaleBy && op != kernels::kZeroIf)
+    throw std::invalid_argument(fmt::format("per-tensor action {}: expected 0 (scale) or 1 (zero)",
+                                            static_cast<int>(op)));
+  if (values.scalar_type() != at::kFloat || !values.is_contiguous() || values.dim() != 1)
+    throw std::invalid_argument("the per-tensor values: a contiguous 1-d fp32 tensor");
   std::vector<kernels::TensorTarget> t;
   for (size_t i = 0; i < targets.size(); ++i) {
     const at::Tensor& x = targets[i];
+    if (index[i] < 0 || index[i] >= values.numel())  // the kernel reads values[index[i]]
+      throw std::invalid_argument(fmt::format("per-tensor index {} of target {}: outside the {} "
+                                              "values",
+                                              index[i], i, values.numel()));
     if (x.scalar_type() != at::kFloat || !x.is_contiguous() || x.device() != values.device())
       throw std::invalid_argument("the per-tensor actions take contiguous fp32 tensors on the "
                                   "values' device");

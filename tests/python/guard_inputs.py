@@ -45,24 +45,100 @@ def main():
     assert not os.path.exists(run_dir), "a refused guard wrote its run_dir"
     guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir)  # one process
     assert os.path.isdir(os.path.join(run_dir, "diagnostics")) and guard.world == 1
-    mismatched_samples(opt, os.path.join(work, "samples"))
+    misuses(os.path.join(work, "misuses"))
+    finish_checks_lengths(os.path.join(work, "lengths"))
     print("guard inputs: ok")
 
 
-def mismatched_samples(opt, run_dir):
-    """sample_ids shorter than sample_losses on an anomalous step: refused naming the rank (the
-    C++ side read past the ids and wrote a pointer-like id into the events and the quarantine)."""
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters())
-    guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir)
-    loss = model(torch.ones(2, 4)).sum() * float("nan")
-    loss.backward()
+def misused(expect, guard, loss, **kwargs):
+    """guard.step(loss, **kwargs) raises MisuseError naming rank 0 and `expect`, in one line,
+    and nothing of the step counts."""
+    before = guard.counters
     try:
-        guard.step(loss, sample_ids=[7], sample_losses=[1.0, float("nan")])
-    except RuntimeError as e:
-        assert "rank 0 gave 1 sample ids and 2 sample losses" in str(e), str(e)
+        guard.step(loss, **kwargs)
+    except lt.MisuseError as e:
+        message = str(e)
+        assert message.startswith("lockstep guard: rank 0 ") and expect in message, message
+        assert "\n" not in message, message
+        assert guard.counters == before, (guard.counters, before)
         return
-    raise AssertionError("1 sample id with 2 sample losses was accepted")
+    raise AssertionError(f"accepted: {expect}")
+
+
+def misuses(run_dir):
+    """Each mistake of a loop migrated to the guard is refused at the step where it happens,
+    before anything is applied or counted; the loop goes on once it is fixed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (1 + n))
+    guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir, scheduler=sched)
+
+    def backward():
+        opt.zero_grad()
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        loss.backward()
+        return loss
+
+    misused("with no gradients (2 parameters, none with .grad)", guard, torch.tensor(1.0))
+    loss = backward()
+    misused("passed a Python number as the loss", guard, loss.item())
+    misused("passed a loss of 2 elements", guard, torch.ones(2))
+    misused("passed sample_ids without sample_losses", guard, loss, sample_ids=[1, 2])
+    misused("passed sample_losses without sample_ids", guard, loss, sample_losses=[1.0, 2.0])
+    misused("passed 1 sample ids and 2 sample losses", guard, loss, sample_ids=[7],
+            sample_losses=[1.0, float("nan")])
+    v = guard.step(loss, sample_ids=[1, 2], sample_losses=[1.0, 2.0])
+    assert v.step == 1 and v.decision == "step" and v.ready, v
+    weights = [p.detach().clone() for p in model.parameters()]
+    try:  # the leftover optimizer.step() of a migrated loop: refused before it runs
+        opt.step()
+        raise AssertionError("optimizer.step() outside guard.step was accepted")
+    except lt.MisuseError as e:
+        assert "rank 0 called optimizer.step() outside guard.step (after the guard's step 1)" \
+            in str(e), str(e)
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters())), "it stepped"
+    sched.step()  # the scheduler passed to the guard, stepped by the loop too
+    misused("called scheduler.step() outside guard.step (1 time(s)", guard, backward())
+    opt.zero_grad()
+    misused("with no gradients", guard, torch.tensor(1.0))  # after zero_grad()
+    guard.close()  # gives the optimizer back
+    opt.step()
+
+
+def finish_checks_lengths(run_dir):
+    """The C++ side checks every length that comes from Python: a sample table whose ids and
+    losses differ in length (it read past the ids and wrote a pointer-like id into the events
+    and the quarantine) and a check buffer of the wrong size are refused naming what was
+    expected."""
+    model = torch.nn.Linear(4, 4)
+    guard = lt.SkipGuard(torch.optim.AdamW(model.parameters()), {"skip": {"enabled": True}},
+                         run_dir=run_dir)
+    table = torch.zeros(1, len(lt._C.STATS_FIELDS), dtype=torch.float64)
+    table[0, 0] = 3  # nonfinite elements: an anomalous step
+    v = guard.core.decide(table)
+    samples = lt._C.SampleTable()
+    samples.ids, samples.losses = [[7]], [[1.0, float("nan")]]
+    mine = lt._C.LocalStep()
+    for expect, call in [
+            ("rank 0 gave 1 sample ids and 2 sample losses",
+             lambda: guard.core.finish(v, table, mine, samples, 0.1, 0)),
+            ("the stats table: shape [2, 9]; expected [1, 9]",
+             lambda: guard.core.decide(torch.zeros(2, 9, dtype=torch.float64))),
+            ("per-tensor index 5 of target 0: outside the 2 values",
+             lambda: lt._C.apply_tensor_values([torch.ones(3)], [5], torch.ones(2), 0))]:
+        try:
+            call()
+            raise AssertionError(f"accepted: {expect}")
+        except (ValueError, RuntimeError) as e:
+            assert expect in str(e), str(e)
+    mine.shard_stats = torch.zeros(4, dtype=torch.float64)
+    try:
+        guard.core.finish(v, table, mine, lt._C.SampleTable(), 0.1, 0)
+        raise AssertionError("a check buffer of 4 values for 2 parameters was accepted")
+    except ValueError as e:
+        assert "shard_stats: 4 values; expected 7" in str(e), str(e)
+    assert not os.path.exists(os.path.join(run_dir, "diagnostics", "rank0.jsonl")), "wrote events"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ reproduces the rest of the run, and the device path (fused AdamW, found_inf) dec
 host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
-Scenarios: ddp, fsdp, resume, device, adagc, adagc-device. Exit 0 and "ok" on success.
+Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, device, adagc, adagc-device. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -33,6 +33,8 @@ ADAGC = dict(skip_adaptive_clip="adagc", skip_adagc_warmup=4, skip_spike_moment_
              skip_on_global_spike="skip")
 # step -> (kind, rank): faults on rank 1
 FAULTS = {8: "nan_grad", 12: "nan_loss", 16: "spike"}
+# FSDP2: the gradients are reduce-scattered inside backward (no own gradient to poison alone)
+FSDP_FAULTS = {8: "nan_loss", 12: "spike", 16: "nan_activation_grad"}
 
 
 def model():
@@ -93,23 +95,27 @@ def bitwise_equal(a, b):
     return len(a) == len(b) and all(torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
 
 
+def summary(v):
+    return (v.decision, list(v.reasons), list(v.culprit_ranks),
+            torch.tensor(v.grad_norm, dtype=torch.float64).view(torch.int64).item())
+
+
 def train(m, opt, guard, steps, rank, first, faults=FAULTS, start=1):
-    decisions = []
+    """Steps start..steps; each verdict says its step. On the device path a verdict is read at
+    the next step (not before: no wait), the last one by flush()."""
+    verdicts = []
     for step in range(start, steps + 1):
         opt.zero_grad(set_to_none=True)
         loss, ids, losses = forward_backward(m, step, rank, first, faults)
         before = snapshot(m, opt)
         v = guard.step(loss, sample_ids=ids, sample_losses=losses, tokens=BATCH * SEQ)
-        if v is not None:
-            decisions.append((v.decision, list(v.reasons), list(v.culprit_ranks),
-                              torch.tensor(v.grad_norm, dtype=torch.float64).view(torch.int64).item()))
-            if v.decision == "skip" and not guard.on_device:
-                assert bitwise_equal(before, snapshot(m, opt)), f"step {step}: a skip changed state"
-    last = guard.flush()
-    if last is not None:
-        decisions.append((last.decision, list(last.reasons), list(last.culprit_ranks),
-                          torch.tensor(last.grad_norm, dtype=torch.float64).view(torch.int64).item()))
-    return decisions
+        assert v.step == step and v.ready != guard.on_device, (v, step)
+        assert not verdicts or verdicts[-1].ready, "the previous step's verdict is read"
+        if not guard.on_device and v.decision == "skip":
+            assert bitwise_equal(before, snapshot(m, opt)), f"step {step}: a skip changed state"
+        verdicts.append(v)
+    guard.flush()
+    return [summary(v) for v in verdicts]
 
 
 def agreed(decisions):
@@ -161,8 +167,7 @@ def fsdp(run_dir):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1.0 / (1 + n))
     guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, scheduler=sched,
                          lr_scheduler_on_skip="hold")
-    faults = {8: "nan_loss", 12: "spike", 16: "nan_activation_grad"}
-    decisions = train(m, opt, guard, 20, rank, next(m.parameters()), faults)
+    decisions = train(m, opt, guard, 20, rank, next(m.parameters()), FSDP_FAULTS)
     agreed(decisions)
     assert sched.last_epoch == guard.optimizer_steps == 17, (sched.last_epoch, guard.counters)
     for i, (decision, reasons, culprits, _) in enumerate(decisions):
@@ -226,14 +231,13 @@ def adagc_device(run_dir):
         guard = lt.SkipGuard(opt, SKIP, model=m, training_max_norm=0.0, skip_device_decision=mode,
                              **ADAGC)
         assert guard.on_device == (mode == "auto"), mode
-        seen = []
+        verdicts = []
         for step in range(1, 17):
             opt.zero_grad(set_to_none=True)
             loss, _, _ = forward_backward(m, step, rank, None, {12: "spike_all"})
-            for v in (guard.step(loss),) + ((guard.flush(),) if step == 16 else ()):
-                if v is not None:
-                    seen.append((v.decision, v.tensors_clipped, list(v.moments_reset)))
-        runs.append(seen)
+            verdicts.append(guard.step(loss))
+        guard.flush()
+        runs.append([(v.decision, v.tensors_clipped, list(v.moments_reset)) for v in verdicts])
         ends.append(snapshot(m, opt))
     agreed(runs[1])
     assert runs[0] == runs[1], f"host and device decided differently:\n{runs[0]}\n{runs[1]}"
@@ -242,37 +246,77 @@ def adagc_device(run_dir):
     assert bitwise_equal(ends[0], ends[1]), "host and device paths ended at different bits"
 
 
-def resume(run_dir):
-    """State saved with torch.distributed.checkpoint at step 10 (mid-window, after a skip);
-    a fresh model, optimizer and guard loaded from it run steps 11-20 as the first run did."""
+def resume(run_dir, shard=False):
+    """docs/pytorch.md's checkpoint recipe: at step 10 (mid-window, after a skip) get_state_dict
+    of the model and the optimizer and the guard's state_dict, saved with
+    torch.distributed.checkpoint; then a fresh model, optimizer and guard (nothing trained
+    before loading), set_state_dict from dcp.load, steps 11-20: the same decisions and the
+    uninterrupted run's bits. DDP, or FSDP2 (`shard`)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     rank = dist.get_rank()
+    ckpt = os.path.join(run_dir, "ckpt")
 
     def fresh():
-        m = model()
-        wrapped = torch.nn.parallel.DistributedDataParallel(m)
+        m = fsdp_model() if shard else model()
+        wrapped = m if shard else torch.nn.parallel.DistributedDataParallel(m)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        return m, wrapped, opt, lt.SkipGuard(opt, SKIP, model=m, ddp=wrapped)
+        return m, wrapped, opt, lt.SkipGuard(opt, SKIP, model=m, ddp=None if shard else wrapped)
 
+    faults = FSDP_FAULTS if shard else FAULTS
     m, wrapped, opt, guard = fresh()
-    first = train(wrapped, opt, guard, 10, rank, next(m.parameters()))
-    dcp.save({"model": m.state_dict(), "optim": opt.state_dict(), "guard": guard.state_dict()},
-             checkpoint_id=os.path.join(run_dir, "ckpt"))
-    rest = train(wrapped, opt, guard, 20, rank, next(m.parameters()), start=11)
+    first = train(wrapped, opt, guard, 10, rank, next(m.parameters()), faults)
+    model_state, optim_state = get_state_dict(m, opt)
+    dcp.save({"model": model_state, "optim": optim_state, "guard": guard.state_dict()},
+             checkpoint_id=ckpt)
+    rest = train(wrapped, opt, guard, 20, rank, next(m.parameters()), faults, start=11)
     end = snapshot(m, opt)
 
     m2, wrapped2, opt2, guard2 = fresh()
-    train(wrapped2, opt2, guard2, 1, rank, next(m2.parameters()))  # creates the optimizer state
-    state = {"model": m2.state_dict(), "optim": opt2.state_dict(), "guard": guard2.state_dict()}
-    dcp.load(state, checkpoint_id=os.path.join(run_dir, "ckpt"))
-    m2.load_state_dict(state["model"])
-    opt2.load_state_dict(state["optim"])
+    model_state, optim_state = get_state_dict(m2, opt2)
+    state = {"model": model_state, "optim": optim_state, "guard": guard2.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     guard2.load_state_dict(state["guard"])
     assert guard2.counters["step"] == 10 and guard2.skipped_steps == 1, guard2.counters
-    again = train(wrapped2, opt2, guard2, 20, rank, next(m2.parameters()), start=11)
+    again = train(wrapped2, opt2, guard2, 20, rank, next(m2.parameters()), faults, start=11)
     assert again == rest, f"resumed decisions differ:\n{again}\n{rest}"
     assert bitwise_equal(end, snapshot(m2, opt2)), "the resumed run ended elsewhere"
-    expect_faults_skipped(first + rest)
+    if not shard:
+        expect_faults_skipped(first + rest)
+
+
+def misuse(run_dir):
+    """A mistake on one rank only (rank 1) raises MisuseError on every rank at the same step,
+    naming rank 1, with no rank waiting in a collective; on the host path and through the fused
+    AdamW (found a step later there, and nothing was applied)."""
+    rank = dist.get_rank()
+    for fused in (False, True):
+        m = model()
+        wrapped = torch.nn.parallel.DistributedDataParallel(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused)
+        guard = lt.SkipGuard(opt, SKIP, model=m, ddp=wrapped, training_max_norm=0.0)
+        assert guard.on_device == fused
+        train(wrapped, opt, guard, 3, rank, next(m.parameters()))
+        for step, mistake in ((4, "ids"), (5, "float")):
+            opt.zero_grad(set_to_none=True)
+            loss, ids, losses = forward_backward(wrapped, step, rank, None, {})
+            weights = snapshot(m, opt)[:len(list(m.parameters()))]
+            kwargs = {"sample_ids": ids, "sample_losses": losses}
+            if rank == 1 and mistake == "ids":
+                kwargs["sample_ids"] = ids[:-1]
+            arg = loss.item() if rank == 1 and mistake == "float" else loss
+            try:
+                guard.step(arg, **kwargs)
+                guard.flush()  # the fused path reads the step's misuse with its verdict
+                raise AssertionError(f"rank {rank}: {mistake} on rank 1 was accepted")
+            except lt.MisuseError as e:
+                expect = {"ids": "rank 1 passed 3 sample ids and 4 sample losses",
+                          "float": "rank 1 passed a Python number as the loss"}[mistake]
+                assert str(e).startswith("lockstep guard: " + expect), str(e)
+            assert bitwise_equal(weights, snapshot(m, opt)[:len(weights)]), "a misuse stepped"
+        del wrapped
+        gc.collect()
 
 
 def device(run_dir):
@@ -304,6 +348,7 @@ def main():
     dist.barrier()
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
+         "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse,
          "adagc": adagc, "adagc-device": adagc_device}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
