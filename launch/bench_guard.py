@@ -6,7 +6,7 @@ and the update alone (after backward: the clip and the optimizer, or the guard),
 timed steps, for AdamW's default (foreach: the guard decides on the host) and fused AdamW (the
 guard decides on the device: found_inf, grad_scale).
 
-    PYTHONPATH=python .venv/bin/python launch/bench_guard.py [--dim 512 --layers 4 ...]
+    .venv/bin/python launch/bench_guard.py [--dim 512 --layers 4 ...]
     torchrun --nproc-per-node 2 launch/bench_guard.py ...     (DDP over Gloo, each rank a line)
 On a GPU (--device cuda) it also counts host syncs of the guarded step (CUDA's sync debug mode).
 """

@@ -7,7 +7,7 @@ times torchtitan's train_step (forward, backward, the clip and the optimizer ste
 guard), median over the steps after the first WARMUP. Prints the machine, the sizes and the
 ratios.
 
-    PYTHONPATH=python:.titan torchrun --standalone --nproc-per-node 2 launch/bench_titan.py \
+    PYTHONPATH=.titan .venv/bin/torchrun --standalone --nproc-per-node 2 launch/bench_titan.py \
         [--steps 30] [--seq 256] [--batch 4] [--rounds 2] [--threads 1]
 """
 import argparse

@@ -3,10 +3,12 @@
 # second run only rebuilds what changed.
 #
 #   launch/setup.sh              # what the demo needs: Debian packages, torch (LibTorch comes
-#                                # from the wheel) and matplotlib (`lockstep report`) in .venv
-#   launch/setup.sh --tests      # and the test-only set (launch/test.sh): bible-kjv and
-#                                # python3-dev, tests/requirements.txt in one pip call, the
-#                                # torchtitan tree in .titan/, the PyTorch package built in place
+#                                # from the wheel), matplotlib (`lockstep report`) and setuptools
+#                                # (the PyTorch package's build) in .venv
+#   launch/setup.sh --tests      # and the test-only set (launch/test.sh): bible-kjv,
+#                                # tests/requirements.txt in one pip call, the torchtitan tree in
+#                                # .titan/, the PyTorch package installed into .venv (the README's
+#                                # `.venv/bin/pip install --no-build-isolation .`)
 #   LOCKSTEP_TORCH=/opt/libtorch launch/setup.sh   # any LibTorch 2.11-2.14 (a libtorch folder,
 #                                # a torch package folder, or its share/cmake folder)
 #   LOCKSTEP_BUILD_DIR=build-x LOCKSTEP_CMAKE_ARGS="-DLOCKSTEP_CUDA=ON" launch/setup.sh
@@ -27,9 +29,9 @@ die() { printf 'lockstep setup: error: %s\n' "$*" >&2; exit 1; }
 # --- Debian packages -------------------------------------------------------
 APT_PACKAGES=(cmake ninja-build g++ ccache lld pkg-config libcli11-dev libspdlog-dev libfmt-dev
   libtomlplusplus-dev nlohmann-json3-dev libgtest-dev libgmock-dev openmpi-bin libopenmpi-dev
-  libgloo-dev python3-venv)
-((tests)) && APT_PACKAGES+=(python3-dev  # Python.h for the PyTorch package (setup.py)
-  bible-kjv)  # the spike benchmark's corpus (launch/bench_spikes.sh; its smoke runs in ctest)
+  libgloo-dev python3-venv
+  python3-dev)  # Python.h for the PyTorch package (setup.py; the README's pip install)
+((tests)) && APT_PACKAGES+=(bible-kjv)  # the spike benchmark's corpus (its smoke runs in ctest)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -119,10 +121,12 @@ fi
 cmake --build "$LOCKSTEP_BUILD_DIR" ${LOCKSTEP_BUILD_TARGETS:+--target $LOCKSTEP_BUILD_TARGETS} \
   || die "build failed"
 
-# The PyTorch package (lockstep.torch, setup.py) against .venv's torch, in place: ctest runs its
-# tests with PYTHONPATH=python. (A LibTorch folder given by LOCKSTEP_TORCH has no Python.)
+# The PyTorch package (lockstep.torch, setup.py) installed into .venv with the README's own
+# command, so the tests import what a user installs (ninja rebuilds only what changed, in
+# build-python/). A LibTorch folder given by LOCKSTEP_TORCH has no Python.
 if ((tests)) && [[ -z "${LOCKSTEP_TORCH:-}" ]]; then
   log="$LOCKSTEP_BUILD_DIR/python-package.log"
-  "$LOCKSTEP_ROOT/launch/build_python.sh" "$LOCKSTEP_ROOT/.venv/bin/python" >"$log" 2>&1 \
-    || { tail -30 "$log" >&2; die "building the PyTorch package failed (log: $log)"; }
+  rm -f "$LOCKSTEP_ROOT"/python/lockstep/_C*.so  # an in-place build of older versions
+  (cd "$LOCKSTEP_ROOT" && "$venv/bin/pip" install --disable-pip-version-check --no-build-isolation .) \
+    >"$log" 2>&1 || { tail -30 "$log" >&2; die "installing the PyTorch package failed (log: $log)"; }
 fi

@@ -34,9 +34,8 @@ int64_t bits_of(double d) {
 TEST(PyTorchPackage, DecidesAsTheHarnessOnARecordedSequence) {
   test::TempDir dir;
   const std::string file = dir / "decisions.jsonl";
-  const auto made = test::capture("PYTHONPATH=" LOCKSTEP_SOURCE_DIR "/python " LOCKSTEP_PYTHON
-                                  " " LOCKSTEP_SOURCE_DIR "/tests/python/record_decisions.py " +
-                                  file);
+  const auto made = test::capture(LOCKSTEP_PYTHON " " LOCKSTEP_SOURCE_DIR
+                                  "/tests/python/record_decisions.py " + file);
   ASSERT_EQ(made.code, 0) << made.out;
   std::ifstream in(file);
   std::string line;

@@ -1,7 +1,8 @@
 """A plain PyTorch DDP loop with lockstep's guard: a small causal transformer on random tokens,
 one NaN loss injected on rank 1 at step 30 to show a skip. Run (the README's example):
 
-    torchrun --nproc-per-node 2 python/examples/ddp_guard.py
+    .venv/bin/pip install --no-build-isolation .      # once, in the repository root
+    .venv/bin/torchrun --standalone --nproc-per-node 2 python/examples/ddp_guard.py
 Then `build/bin/lockstep diag runs/ddp_guard` names the culprit rank and the poisoned sample.
 """
 import gc
@@ -54,7 +55,7 @@ def main():
         loss.backward()
         verdict = guard.step(loss, sample_ids=ids, sample_losses=losses.tolist())
         if rank == 0 and step % 10 == 0:
-            logging.info(f"step {step} | loss {verdict.loss:.4f} | grad_norm {verdict.grad_norm:.4f} "
+            logging.info(f"step {verdict.step} | loss {verdict.loss:.4f} | grad_norm {verdict.grad_norm:.4f} "
                          f"| {verdict.decision} | skipped {guard.skipped_steps}")
     del ddp_model  # DDP must not outlive its process group: Gloo may abort the exit otherwise
     gc.collect()

@@ -1,13 +1,17 @@
-"""The README's "Use it from PyTorch" section is true: its code lines are those of
-python/examples/ddp_guard.py, the example runs on 2 Gloo ranks under torchrun, prints the lines
-the README shows (numbers may differ in value with the CPU, never in form), and `lockstep diag`
-names rank 1 and the poisoned sample in its events.
+"""The README's "Use it from PyTorch" section is true: its install command is the one
+launch/setup.sh --tests runs into .venv (so the package the tests import is installed that way),
+its run command runs as printed (from the repository root: .venv/ and python/ are the
+repository's; the run folder lands in WORK_DIR) with the installed package (no PYTHONPATH), its
+code lines are those of python/examples/ddp_guard.py, the run prints the lines the README shows
+(numbers may differ in value with the CPU, never in form), and `lockstep diag` names rank 1 and
+the poisoned sample in its events.
 
-    python tests/python/readme_example.py TORCHRUN LOCKSTEP_BIN WORK_DIR
+    python tests/python/readme_example.py LOCKSTEP_BIN WORK_DIR
 """
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,22 +30,34 @@ def blocks(text):
     return re.findall(r"```(\w*)\n(.*?)```", text, re.S)
 
 
+def commands(readme):
+    """The sh block's two commands: the install, checked against launch/setup.sh's, and the run
+    as argv with the repository's relative paths made absolute."""
+    install, run = [b for lang, b in blocks(readme) if lang == "sh"][0].strip().splitlines()
+    assert install == ".venv/bin/pip install --no-build-isolation .", install
+    with open(os.path.join(ROOT, "launch", "setup.sh"), encoding="utf-8") as f:
+        setup = f.read()
+    assert '"$venv/bin/pip" install --disable-pip-version-check --no-build-isolation .)' in setup
+    argv = shlex.split(run)
+    return [os.path.join(ROOT, a) if a.startswith((".venv/", "python/")) else a for a in argv]
+
+
 def main():
-    torchrun, binary, work = sys.argv[1:4]
+    binary, work = sys.argv[1:3]
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = section(f.read(), "## Use it from PyTorch")
     example_path = os.path.join(ROOT, "python", "examples", "ddp_guard.py")
     with open(example_path, encoding="utf-8") as f:
         example = " ".join(f.read().split())
     (_, code), (_, shown) = [b for b in blocks(readme) if b[0] in ("python", "")][:2]
-    for statement in re.split(r"\n(?=\S|        \S)", code.strip()):
+    for statement in re.split(r"\n(?= {0,12}\S)", code.strip()):  # continuations: deeper
         assert " ".join(statement.split()) in example, f"README code not in the example: {statement}"
 
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    run = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", example_path],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed package
+    run = subprocess.run(commands(readme), cwd=work, env=env, capture_output=True, text=True,
+                         timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     printed = [NUMBER.sub("N", line) for line in (run.stdout + run.stderr).splitlines()]
     for line in shown.strip().splitlines():
