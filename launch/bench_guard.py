@@ -57,7 +57,9 @@ class Run:
             ddp = self.forward = torch.nn.parallel.DistributedDataParallel(self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95),
                                      weight_decay=0.1, fused=fused, foreach=None if fused else True)
-        self.guard = lt.SkipGuard(self.opt, {"skip": {"enabled": True}}, model=self.model,
+        # a fused AdamW: the device-decided path, on a CPU too (there "auto" decides on the host)
+        skip = {"enabled": True, "device_decision": "on" if fused else "off"}
+        self.guard = lt.SkipGuard(self.opt, {"skip": skip}, model=self.model,
                                   ddp=ddp, training_max_norm=a.max_norm) if guarded else None
         self.max_norm = a.max_norm
         self.total, self.update = [], []

@@ -19,7 +19,7 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   const TrainingConfig& t = job.config.training;
   const int64_t micro_batches = t.gradient_accumulation_steps;
   const auto per_micro = static_cast<int64_t>(ids.size()) / micro_batches;
-  const double scale = job.detector->loss_scale();
+  const double scale = job.judge->detector().loss_scale();
   job.faults->begin_computation(batch_rank, index);
   std::vector<at::Tensor> samples;  // on the device: no host sync on a clean step
   at::Tensor loss_sum;              // fp64, in micro-batch order
@@ -50,8 +50,8 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
     if (micro == micro_batches - 1 && index == 0) job.dp->begin_last_backward();  // overlap
     // Decided on the device, the scale is the device's (the host's is a step behind).
     const at::Tensor scaled =
-        job.decision && job.detector->loss_scaling()
-            ? objective.mul(job.decision->loss_scale().to(objective.scalar_type()))
+        job.judge->on_device() && job.judge->detector().loss_scaling()
+            ? objective.mul(job.judge->device_loss_scale().to(objective.scalar_type()))
         : scale == 1.0 ? objective
                        : objective.mul(scale);
     scaled.backward();

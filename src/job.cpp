@@ -38,8 +38,8 @@ void accept(Job& j) {
   log::attach_file(fmt::format("{}/logs/rank{}.log", j.run_dir, j.ranks.rank));
   if (j.lead) fs::write_file_atomic(j.run_dir + "/config.toml", to_toml(j.config));
   fs::make_dirs(j.run_dir + "/diagnostics");
-  j.events = std::make_unique<JsonlWriter>(
-      fmt::format("{}/diagnostics/rank{}.jsonl", j.run_dir, j.ranks.rank));
+  j.judge->open_events(fmt::format("{}/diagnostics/rank{}.jsonl", j.run_dir, j.ranks.rank),
+                       [](const std::string& w) { log::warn("{}", w); }, true);
 }
 
 void connect_ranks(Job& j) {
@@ -152,9 +152,6 @@ void build_model(Job& j) {
   });
   if (c.diagnostics.local_check && !j.dp->checks_local())
     j.local_check = std::make_unique<GradCheck>(j.dp->grads());
-  std::vector<std::string> names;
-  for (const NamedTensor& g : j.dp->synced_grads()) names.push_back(g.name);
-  j.tensors = std::make_unique<TensorPolicies>(c.skip, std::move(names), j.comm.get());
 }
 
 // One device's peak FLOP/s for MFU: metrics.peak_tflops, else a known GPU's.
@@ -215,7 +212,7 @@ void log_setup(const Job& j) {
     log::info("mixed precision: {} forward and backward, {} gradient reduction, fp32 master "
               "weights and moments; loss scale {}",
               name_of(t.mixed_precision_param), name_of(t.mixed_precision_reduce), t.loss_scale);
-  if (t.mixed_precision_param == Precision::kFloat16 && !j.detector->loss_scaling())
+  if (t.mixed_precision_param == Precision::kFloat16 && !j.judge->detector().loss_scaling())
     log::warn_shared("training.mixed_precision_param = \"float16\" with training.loss_scale = "
                      "\"none\": small gradients underflow to zero in fp16; set "
                      "training.loss_scale = \"dynamic\"");
@@ -279,15 +276,17 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.peak_flops = peak_flops(c, j.device);
   j.tokens_per_step = c.training.local_batch_size * c.training.seq_len *
                       c.training.gradient_accumulation_steps * j.ranks.world_size;
-  j.detector = std::make_unique<SkipDetector>(with_token_guard(c.skip, j.tokens_per_step),
-                                              c.training, j.ranks.world_size);
+  std::vector<std::string> tensors;  // the per-tensor policies': check [B]'s
+  for (const NamedTensor& g : j.dp->synced_grads()) tensors.push_back(g.name);
+  j.judge = std::make_unique<StepJudge>(
+      c, with_token_guard(c.skip, j.tokens_per_step), j.dp->grads(), std::move(tensors),
+      j.comm.get(),
+      StepJudge::Where{j.ranks.rank, j.ranks.world_size, hostname(), j.device.str(), "lockstep"});
   // A replay on the CPU reproduces bit for bit; GPU kernels (atomics in the embedding backward)
   // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
   j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),
                                         j.ranks.rank, j.device.is_cuda() ? 1e-4 : 0.0);
   j.triager->set_bystander([&j] { bystand(j); });
-  j.explainer = std::make_unique<Explainer>(c.skip, c.diagnostics.top_params, j.ranks.rank,
-                                            j.dp->grads(), hostname(), j.device.str());
   j.schedule = schedule_of(c);
   j.compute_clock = std::make_unique<ComputeClock>(j.device);
   j.stragglers = std::make_unique<StragglerWatch>(
@@ -330,16 +329,14 @@ void load(Job& j, int64_t step) {
                                  [&](CheckpointReader& r) { j.dp->load(r); });
   const double secs = seconds_since(start);
   j.sampler->set_position(j.state.data_position);
-  if (!j.state.detector.empty()) j.detector->load_state(j.state.detector);
-  if (j.tensors->active() && j.state.detector.contains("tensors"))  // else: a fresh warm-up
-    j.tensors->load_state(j.state.detector.at("tensors"));
-  if (j.config.skip.reset_guards_on_resume && j.detector->consecutive_skips() > 0) {
+  j.judge->load_state(j.state.detector, j.state.loss_scale);
+  SkipDetector& detector = j.judge->detector();
+  if (j.config.skip.reset_guards_on_resume && detector.consecutive_skips() > 0) {
     log::warn_shared("skip.reset_guards_on_resume: the skip guards count from 0 again ({} skips "
                      "in a row before)",
-                     j.detector->consecutive_skips());
-    j.detector->reset_guards();
+                     detector.consecutive_skips());
+    detector.reset_guards();
   }
-  j.detector->load_loss_scale(j.state.loss_scale);
   std::vector<int64_t> newer;
   for (int64_t s : j.checkpointer->steps())
     if (s > step) newer.push_back(s);
@@ -406,9 +403,8 @@ void resume(Job& j) {
 
 std::string save_checkpoint(Job& j) {
   if (!j.config.checkpoint.enable) return "";
-  j.state.detector = j.detector->state();
-  if (j.tensors->active()) j.state.detector["tensors"] = j.tensors->state();
-  j.state.loss_scale = j.detector->loss_scale_state();
+  j.state.detector = j.judge->state();
+  j.state.loss_scale = j.judge->loss_scale_state();
   const double before = resident_mib();
   const bool peak = reset_peak_resident();
   const auto start = Clock::now();

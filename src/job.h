@@ -14,9 +14,7 @@
 #include "check/gradcheck.h"
 #include "checkpoint/checkpointer.h"
 #include "comm/comm.h"
-#include "decide/detector.h"
-#include "decide/tensor_policies.h"
-#include "decide/device_decision.h"
+#include "decide/judge.h"
 #include "decide/triage.h"
 #include "diag/event.h"
 #include "diag/explain.h"
@@ -53,13 +51,10 @@ struct Job {
   std::unique_ptr<DataParallel> dp;          // gradient buffers, sync, optimizer, update
   std::unique_ptr<GradCheck> local_check;    // [A] this rank's own gradient; null when off
   std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
-  std::unique_ptr<SkipDetector> detector;    // the decision and its windows
-  std::unique_ptr<TensorPolicies> tensors;   // its per-tensor policies (AdaGC, SPAM's reset)
+  // The decision (host or device), its windows, per-tensor policies, events and counters' step.
+  std::unique_ptr<StepJudge> judge;
   std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
-  std::unique_ptr<DeviceDecision> decision;  // skip.device_decision; null: the host decides
   std::map<int, std::vector<int64_t>> suspects;  // ranks a replay or probe blamed, by step
-  std::unique_ptr<Explainer> explainer;      // events of anomalous steps
-  std::unique_ptr<JsonlWriter> events;       // RUN_DIR/diagnostics/rank<R>.jsonl
   std::unique_ptr<Checkpointer> checkpointer;
   std::unique_ptr<Validator> validator;      // held-out loss; null when off
   std::unique_ptr<StartupSignals> startup_signals;  // until the first step (runtime.h)

@@ -13,10 +13,8 @@ namespace lockstep {
 
 Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
               const SampleTable& samples, double lr, int64_t data_position) {
-  RunCounters after = job.state;  // the run's counters as this step leaves them
-  count(after, v, job.tokens_per_step, data_position);
-  const Event e = job.explainer->event(after, s, v, table, samples, *job.detector, lr);
-  job.events->write(to_json(e));
+  const Event e =
+      job.judge->explain(job.state, s, v, table, samples, lr, job.tokens_per_step, data_position);
   if (v.decision != Decision::kAbort)
     log::write_shared(skip_message(e));
   return e;
@@ -57,7 +55,7 @@ void verify(Job& job, int64_t& last_verified) {
     last_verified = job.state.step;
     return;
   }
-  job.events->write(to_json(
+  job.judge->write_event(to_json(
       desync_event(job.state.step, job.ranks.rank, job.faults->current(), vote, job.suspects)));
   log::flush();
   throw TrainingAborted(desync_message(job.state.step, last_verified, vote, job.suspects));
@@ -71,9 +69,8 @@ void validate(Job& job, Progress& progress) {
 
 void advance(Job& job, const Verdict& v, int64_t data_position) {
   if (v.interrupted) return;  // the step did not happen: no window, guard or counter moves
-  job.detector->record(v);  // windows, guards, loss scale: the same verdict, the same state
   for (int r : v.hardware_suspects) job.suspects[r].push_back(job.state.step + 1);
-  count(job.state, v, job.tokens_per_step, data_position);
+  job.judge->record(job.state, v, job.tokens_per_step, data_position);
 }
 
 void warn_overflow(int64_t step, const Verdict& v) {
@@ -113,7 +110,7 @@ bool after_step(Job& job, Progress& progress, TrainResult& result, const StepRes
                      "look at its host (diagnostics.straggler_factor sets the threshold)",
                      job.state.step, StragglerWatch::text(job.stragglers->slow()),
                      job.config.diagnostics.straggler_window);
-  progress.step_done(job.state, r.verdict, *job.detector, r.lr, r.clip, r.costs,
+  progress.step_done(job.state, r.verdict, job.judge->detector(), r.lr, r.clip, r.costs,
                      job.stragglers->slow(), a.log);
   if (a.validate) validate(job, progress);
   if (a.verify) verify(job, last_verified);

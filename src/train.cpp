@@ -25,7 +25,6 @@
 
 #include "clock.h"
 #include "compute.h"
-#include "decide/device_decision.h"
 #include "diag/metrics.h"
 #include "job.h"
 #include "lockstep/error.h"
@@ -123,14 +122,14 @@ void decide_on_host(Job& job, Issued& i) {
   RankStep& s = i.s;
   const Recompute replay = replayer(job, s, i.step);
   Triage triage =
-      job.triager->before_sync(*job.detector, triage_input(job, s, i.step), replay, s.costs);
+      job.triager->before_sync(job.judge->detector(), triage_input(job, s, i.step), replay, s.costs);
   const std::vector<RankStats> table = measure(job, s, triage);
   job.triager->probe(i.step, table, triage_input(job, s, i.step), replay, triage, s.costs);
   const auto start = Clock::now();
-  StepResult r{job.detector->decide(table, triage), i.lr};
+  StepResult r{job.judge->decide(table, triage), i.lr};
   s.costs.decision += seconds_since(start);
   r.compute_seconds = compute_times(table);
-  const TensorActions tensors = job.tensors->step(s.shard_stats, r.verdict);  // per tensor
+  const TensorActions tensors = job.judge->tensors().step(s.shard_stats, r.verdict);  // per tensor
   const Verdict& v = r.verdict;
   warn_overflow(i.step, v);
   explain_step(job, s, v, table, i.lr, job.sampler->position());
@@ -144,17 +143,19 @@ void decide_on_host(Job& job, Issued& i) {
 // The step decided on the device (lag 1): nothing before the update waits for the host.
 void decide_on_device(Job& job, Issued& i) {
   const at::Tensor row = sync_and_row(job, i.s, {});
-  const at::Tensor mine = job.tensors->with_sums(row, i.s.shard_stats);  // + per-tensor sums
+  TensorPolicies& tensors = job.judge->tensors();
+  const at::Tensor mine = tensors.with_sums(row, i.s.shard_stats);  // + per-tensor sums
   const auto start = Clock::now();
-  const DeviceDecision::Update u = job.decision->decide(gather_rows(job.comm.get(), mine), i.step);
+  const DeviceDecision::Update u =
+      job.judge->decide_on_device(gather_rows(job.comm.get(), mine), i.step);
   i.s.costs.decision += seconds_since(start);
-  update(job, i.lr, UpdateControl::on_device(u.found_inf, u.grad_scale), job.tensors->on_device(u));
+  update(job, i.lr, UpdateControl::on_device(u.found_inf, u.grad_scale), tensors.on_device(u));
 }
 
 // Step 1-based `step` at learning rate `lr`, up to its update.
 Issued issue(Job& job, int64_t step, double lr) {
   Issued i{step, lr, compute(job, step), 0, std::nullopt};
-  if (job.decision) decide_on_device(job, i);
+  if (job.judge->on_device()) decide_on_device(job, i);
   else decide_on_host(job, i);
   i.data_position = job.sampler->position();
   return i;
@@ -164,16 +165,14 @@ Issued issue(Job& job, int64_t step, double lr) {
 // the copied table (the device's state is the host's, bit for bit) and checks the device agreed.
 StepResult read_device_verdict(Job& job, Issued& i) {
   const auto start = Clock::now();
-  const DeviceDecision::Late late = job.decision->read(i.step);
-  StepResult r{job.detector->decide(late.table), i.lr};
-  job.tensors->mirror(i.step, late, r.verdict);  // per tensor
+  const StepJudge::Late late = job.judge->read(i.step);  // the device agreed (else it throws)
+  StepResult r{late.verdict, i.lr};
   i.s.costs.decision += seconds_since(start);
   r.compute_seconds = compute_times(late.table);
   i.s.costs.wait += late.waited;
   i.s.costs.waits += late.waited > 0 ? 1 : 0;
   const Verdict& v = r.verdict;
   r.clip = v.clip;
-  expect_same_decision(i.step, v, r.clip, late);
   warn_overflow(i.step, v);
   explain_step(job, i.s, v, late.table, i.lr, i.data_position);
   return r;
@@ -195,7 +194,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
   const StopSignals signals;
   const int64_t first = job.state.step;
   int64_t last_verified = first;  // the last step all ranks were seen to agree
-  const bool lag = job.decision != nullptr;
+  const bool lag = job.judge->on_device();
   std::unique_ptr<Issued> late;  // the step issued but not yet finished (lag 1)
   bool stopping = false;
   for (int64_t n = first + 1; n <= job.config.training.steps; ++n) {
@@ -221,10 +220,9 @@ TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
   if (decides_on_device(job.config, job.device, job.ranks.local_world_size))
-    job.decision = std::make_unique<DeviceDecision>(job.device, job.ranks.world_size,
-                                                    *job.detector, job.tensors->device_start());
+    job.judge->start_device(job.device);
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
-                     job.tokens_per_step, job.detector->loss_scaling(),
+                     job.tokens_per_step, job.judge->detector().loss_scaling(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,
                      job.ranks.world_size});
   if (job.lead) job.sink = MetricsSink::start(job.config.metrics, job.run_dir);

@@ -341,3 +341,26 @@ TEST(DeviceDecision, SigtermStopsEveryRankAfterACheckpointedStep) {
             read_text(dir / ("straight/checkpoint/step-" + std::to_string(step)) +
                       "/model.safetensors"));
 }
+
+// skip.device_decision is one rule for lockstep's trainer and the PyTorch guard
+// (device_decides over each one's UpdatePath): "auto" decides on the device only on a GPU, for
+// a config with a device form, when neither the exchange nor the update reads on the host;
+// "on" needs an update that takes found_inf.
+TEST(DeviceDecision, AutoIsOneRuleForTheTrainerAndTheGuard) {
+  Config c = default_config();
+  c.skip.device_decision = DeviceDecisionMode::kAuto;
+  const UpdatePath gpu{true, "", true, ""};
+  EXPECT_TRUE(device_decides(c, gpu));
+  EXPECT_FALSE(device_decides(c, UpdatePath{false, "", true, ""}));  // a CPU: the host decides
+  EXPECT_FALSE(device_decides(c, UpdatePath{true, "gloo exchanges on the host", true, ""}));
+  EXPECT_FALSE(device_decides(c, UpdatePath{true, "", false, ""}));  // a non-fused optimizer
+  EXPECT_EQ(host_decides_because(UpdatePath{true, "", true, "a for-loop AdamW"}),
+            "a for-loop AdamW");
+  EXPECT_FALSE(decides_on_device(c, c10::Device(c10::kCPU)));  // the trainer's path on a CPU
+  c.lr_scheduler.on_skip = OnSkip::kHold;  // no device form
+  EXPECT_FALSE(device_decides(c, gpu));
+  c.lr_scheduler.on_skip = OnSkip::kAdvance;
+  c.skip.device_decision = DeviceDecisionMode::kOn;
+  EXPECT_TRUE(device_decides(c, UpdatePath{false, "", true, ""}));
+  EXPECT_THROW(device_decides(c, UpdatePath{false, "", false, ""}), ConfigError);
+}

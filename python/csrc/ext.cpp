@@ -16,9 +16,8 @@
 #include <vector>
 
 #include "check/gradcheck.h"
-#include "decide/detector.h"
-#include "decide/device_decision.h"
-#include "decide/tensor_policies.h"
+#include "decide/exchange.h"
+#include "decide/judge.h"
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "lockstep/config.h"
@@ -82,9 +81,10 @@ struct LocalStep {
   std::vector<double> sample_losses;
 };
 
-// The guard's core: the config read by lockstep's reader, the host decision (always: it names
-// what the device decided and keeps the checkpointed state), the device decision (fused
-// Adam/AdamW: found_inf and grad_scale), the run's counters and the event writer.
+// The guard's core: the config read by lockstep's reader and the harness's StepJudge (the host
+// decision, which also names what the device decided and keeps the checkpointed state; the
+// device decision for a fused Adam/AdamW; the per-tensor policies; the events), with the run's
+// counters. The guard exchanges the rows and the per-tensor sums itself (no Comm here).
 class Core {
  public:
   Core(const std::string& toml_text, const std::string& origin,
@@ -92,22 +92,27 @@ class Core {
        std::vector<std::string> names, const std::string& run_dir, const std::string& host,
        const std::string& device)
       : config_(load_config(toml_text, origin, overrides)),
-        rank_(rank),
         world_(world),
-        detector_(config_.skip, config_.training, world),
-        tensors_(config_.skip, names, nullptr),
-        explainer_(config_.skip, config_.diagnostics.top_params, rank, unnamed(std::move(names)),
-                   host, device, "pytorch"),
+        n_tensors_(static_cast<int64_t>(names.size())),
+        judge_(config_, config_.skip, unnamed(names), names, nullptr,
+               StepJudge::Where{rank, world, host, device, "pytorch"}),
         run_dir_(run_dir) {
     counters_.world_size = world;
+    if (!run_dir.empty())  // the file appears with its first event
+      judge_.open_events(fmt::format("{}/diagnostics/rank{}.jsonl", run_dir, rank),
+                         [](const std::string& w) { warn(w); });
   }
 
   std::string config_json() const { return to_json(config_); }
 
-  // The host decision of a step from the all-gathered table ([W, 9]).
-  Verdict decide(const at::Tensor& table) const {
-    return detector_.decide(rows_of(table, world_));
+  // skip.device_decision for the guard's path (device_decision.h, the trainer's rule): the
+  // gradients on a GPU, the process group's exchange, a fused Adam/AdamW.
+  bool decides_on_device(bool on_gpu, const std::string& host_exchange, bool fused) const {
+    return device_decides(config_, UpdatePath{on_gpu, host_exchange, fused, ""});
   }
+
+  // The host decision of a step from the all-gathered table ([W, 9]).
+  Verdict decide(const at::Tensor& table) const { return judge_.decide(rows_of(table, world_)); }
 
   // The device decision of `step` (its own state, uploaded from the host's at the first call):
   // found_inf and grad_scale on the table's device, for the fused optimizer; with the
@@ -115,11 +120,9 @@ class Core {
   // tensor's factor and reset flag there too (else None).
   py::tuple decide_on_device(const at::Tensor& table, int64_t step) {
     expect_table(table, "the stats table", world_,
-                 kRankStatsDoubles + (tensors_.active() ? n_tensors() : 0));
-    if (!device_)
-      device_ = std::make_unique<DeviceDecision>(table.device(), world_, detector_,
-                                                 tensors_.device_start());
-    const DeviceDecision::Update u = device_->decide(table, step);
+                 kRankStatsDoubles + (judge_.tensors().active() ? n_tensors_ : 0));
+    if (!judge_.on_device()) judge_.start_device(table.device());
+    const DeviceDecision::Update u = judge_.decide_on_device(table, step);
     if (!u.factors.defined()) return py::make_tuple(u.found_inf, u.grad_scale, py::none(), py::none());
     return py::make_tuple(u.found_inf, u.grad_scale, u.factors, u.resets);
   }
@@ -128,12 +131,8 @@ class Core {
   // the same table (the per-tensor part too); they must agree bit for bit (else an error
   // naming both).
   std::pair<Verdict, at::Tensor> read_device(int64_t step) {
-    if (!device_) throw std::invalid_argument("read_device: nothing was decided on the device");
-    const DeviceDecision::Late late = device_->read(step);
-    Verdict v = detector_.decide(late.table);
-    expect_same_decision(step, v, v.clip, late);
-    tensors_.mirror(step, late, v);
-    return {v, table_of(late.table)};
+    StepJudge::Late late = judge_.read(step);
+    return {std::move(late.verdict), table_of(late.table)};
   }
 
   // The decided step's effect: the counters, the event of an anomalous step (written to
@@ -148,36 +147,23 @@ class Core {
     }
     check_sample_table(samples);  // before anything counts: every rank raises at the same step
     check_sample_table({{mine.sample_ids}, {mine.sample_losses}});
-    expect_stats(mine.local_stats, "local_stats", n_tensors());
-    expect_stats(mine.shard_stats, "shard_stats", n_tensors());
+    expect_stats(mine.local_stats, "local_stats", n_tensors_);
+    expect_stats(mine.shard_stats, "shard_stats", n_tensors_);
     const std::vector<RankStats> rows = rows_of(table, world_);
-    count(counters_, v, tokens, counters_.data_position);
     std::string message;
     if (v.anomalous()) {
-      RankStep step;
-      step.loss = mine.loss;
-      step.sample_ids = mine.sample_ids;
-      step.sample_losses = mine.sample_losses;
-      step.local_checked = mine.local_stats.has_value();
-      if (mine.local_stats) step.local = GradCheck::read(mine.local_stats->to(at::kCPU));
-      if (mine.shard_stats) step.shard = GradCheck::read(mine.shard_stats->to(at::kCPU));
-      const Event e = explainer_.event(counters_, step, v, rows, samples, detector_, lr);
-      if (!run_dir_.empty()) {  // the file appears with its first event
-        if (!events_)
-          events_ = std::make_unique<JsonlWriter>(
-              fmt::format("{}/diagnostics/rank{}.jsonl", run_dir_, rank_));
-        events_->write(to_json(e));
-      }
+      const Event e = judge_.explain(counters_, rank_step(mine), v, rows, samples, lr, tokens,
+                                     counters_.data_position);
       message = v.decision == Decision::kAbort
                     ? abort_message(e, "the guard saves nothing: your last checkpoint stands",
-                                    run_dir_.empty() ? "<run_dir>" : run_dir_)
+                                    run_dir_or_placeholder())
                     : skip_message(e);
     }
-    detector_.record(v);
+    judge_.record(counters_, v, tokens, counters_.data_position);
     return message;
   }
 
-  bool tensors_active() const { return tensors_.active(); }
+  bool tensors_active() { return judge_.tensors().active(); }
 
   // The per-tensor policies (skip.adaptive_clip = "adagc", skip.spike_moment_reset) of the
   // decided step `v`, from every rank's per-tensor partial sums ([W, tensors] fp64, exchanged
@@ -185,9 +171,10 @@ class Core {
   // the guard's parameter order; noted in `v`, the thresholds advanced on a taken step.
   std::pair<std::vector<double>, std::vector<bool>> decide_tensors(const at::Tensor& sums,
                                                                    Verdict& v) {
-    expect_table(sums, "the per-tensor sums", world_, n_tensors());
-    const TensorActions a = tensors_.decide(tensors_.norms(sums, v.loss_scale), v);
-    const std::vector<std::string>& names = tensors_.names();
+    expect_table(sums, "the per-tensor sums", world_, n_tensors_);
+    TensorPolicies& tensors = judge_.tensors();
+    const TensorActions a = tensors.decide(tensors.norms(sums, v.loss_scale), v);
+    const std::vector<std::string>& names = tensors.names();
     std::vector<double> factors(names.size(), 1.0);
     std::vector<bool> resets(names.size(), false);
     for (size_t i = 0; i < names.size(); ++i) {
@@ -199,9 +186,8 @@ class Core {
 
   std::string state() const {
     nlohmann::json j = counters_json(counters_);
-    j["detector"] = detector_.state();
-    if (tensors_.active()) j["detector"]["tensors"] = tensors_.state();
-    j["loss_scale"] = detector_.loss_scale_state();
+    j["detector"] = judge_.state();
+    j["loss_scale"] = judge_.loss_scale_state();
     return j.dump();
   }
 
@@ -209,42 +195,48 @@ class Core {
     const nlohmann::json j = nlohmann::json::parse(text);
     RunCounters c;
     read_counters(j, c);
-    detector_.load_state(j.at("detector"));
-    if (tensors_.active() && j.at("detector").contains("tensors"))  // else: a fresh warm-up
-      tensors_.load_state(j.at("detector").at("tensors"));
-    detector_.load_loss_scale(j.value("loss_scale", nlohmann::json::object()));
-    if (config_.skip.reset_guards_on_resume) detector_.reset_guards();
+    judge_.load_state(j.at("detector"), j.value("loss_scale", nlohmann::json::object()));
+    if (config_.skip.reset_guards_on_resume) judge_.detector().reset_guards();
     counters_ = c;
     counters_.world_size = world_;
-    device_.reset();  // the device's state is uploaded again from the host's
   }
 
   py::dict counters() const {
     py::dict d;
     for (const RunCounter& f : kRunCounters) d[f.name] = counters_.*f.field;
-    d["consecutive_skips"] = detector_.consecutive_skips();
-    d["loss_scale"] = detector_.loss_scale();
+    d["consecutive_skips"] = judge_.detector().consecutive_skips();
+    d["loss_scale"] = judge_.detector().loss_scale();
     return d;
   }
 
  private:
-  int64_t n_tensors() const { return static_cast<int64_t>(tensors_.names().size()); }
-
-  static std::vector<NamedTensor> unnamed(std::vector<std::string> names) {
+  static std::vector<NamedTensor> unnamed(const std::vector<std::string>& names) {
     std::vector<NamedTensor> out;
-    for (auto& n : names) out.push_back({std::move(n), at::Tensor()});
+    for (const auto& n : names) out.push_back({n, at::Tensor()});
     return out;
   }
+  static void warn(const std::string& message) {  // through Python's logging, as the guard's
+    py::gil_scoped_acquire gil;
+    py::module_::import("logging").attr("getLogger")("lockstep").attr("warning")(message);
+  }
+  static RankStep rank_step(const LocalStep& mine) {
+    RankStep step;
+    step.loss = mine.loss;
+    step.sample_ids = mine.sample_ids;
+    step.sample_losses = mine.sample_losses;
+    step.local_checked = mine.local_stats.has_value();
+    if (mine.local_stats) step.local = GradCheck::read(mine.local_stats->to(at::kCPU));
+    if (mine.shard_stats) step.shard = GradCheck::read(mine.shard_stats->to(at::kCPU));
+    return step;
+  }
+  std::string run_dir_or_placeholder() const { return run_dir_.empty() ? "<run_dir>" : run_dir_; }
 
   Config config_;
-  int rank_, world_;
-  SkipDetector detector_;
-  TensorPolicies tensors_;
-  Explainer explainer_;
-  std::string run_dir_;
+  int world_;
+  int64_t n_tensors_;
+  StepJudge judge_;
   RunCounters counters_;
-  std::unique_ptr<DeviceDecision> device_;
-  std::unique_ptr<JsonlWriter> events_;
+  std::string run_dir_;
 };
 
 // The check of one set of gradients (or the part [offset, offset + length) of their
@@ -276,20 +268,7 @@ class Check {
   std::vector<const void*> pointers_;
 };
 
-}  // namespace
-}  // namespace lockstep
-
-PYBIND11_MODULE(_C, m) {
-  using namespace lockstep;
-  m.doc() = "lockstep's check and decision (the harness's sources), for PyTorch trainers";
-  py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
-
-  m.attr("STATS_FIELDS") = py::make_tuple("shard_nonfinite", "shard_sumsq", "local_nonfinite",
-                                          "local_sumsq", "loss", "stop_requested",
-                                          "overflow_runs", "bad_samples", "compute_seconds");
-  static_assert(kRankStatsDoubles == 9, "the field list above is RankStats'");
-  m.attr("STATS_HEADER") = kernels::kStatsHeader;
-
+void bind_verdict(py::module_& m) {
   py::class_<Verdict>(m, "Verdict")
       .def_property_readonly("decision",
                              [](const Verdict& v) { return std::string(decision_name(v.decision)); })
@@ -317,6 +296,9 @@ PYBIND11_MODULE(_C, m) {
                            v.loss, v.clip);
       });
 
+}
+
+void bind_step_types(py::module_& m) {
   py::class_<LocalStep>(m, "LocalStep")
       .def(py::init<>())
       .def_readwrite("loss", &LocalStep::loss)
@@ -338,6 +320,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("world"), py::arg("names"), py::arg("run_dir"), py::arg("host"),
            py::arg("device"))
       .def("config_json", &Core::config_json)
+      .def("decides_on_device", &Core::decides_on_device, py::arg("on_gpu"),
+           py::arg("host_exchange"), py::arg("fused"))
       .def("decide", &Core::decide, py::arg("table"))
       .def("decide_on_device", &Core::decide_on_device, py::arg("table"), py::arg("step"))
       .def("read_device", &Core::read_device, py::arg("step"))
@@ -349,6 +333,9 @@ PYBIND11_MODULE(_C, m) {
       .def("load_state", &Core::load_state, py::arg("text"))
       .def("counters", &Core::counters);
 
+}
+
+void bind_functions(py::module_& m) {
   // The per-tensor actions decided on the device (optim/tensor_values.h): op 0 multiplies each
   // target by values[index] (1: untouched), op 1 zeroes it where that is 1.
   m.def(
@@ -359,8 +346,47 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("targets"), py::arg("index"), py::arg("values"), py::arg("op"));
 
+  // This rank's row of the stats table (decide/exchange.h: the harness builds the same), on the
+  // checks' device with no host read: check [A]'s buffer (None: not checked), check [B]'s, the
+  // loss and every sample's loss (fp64), the stop request.
+  m.def(
+      "rank_row",
+      [](const std::optional<at::Tensor>& local, const at::Tensor& shard, const at::Tensor& loss,
+         const at::Tensor& sample_losses, double stop) {
+        for (const at::Tensor* t : {&shard, &loss, &sample_losses})
+          if (t->scalar_type() != at::kDouble || t->device() != shard.device())
+            throw std::invalid_argument("rank_row: fp64 tensors on one device");
+        if (shard.dim() != 1 || shard.numel() < kernels::kStatsHeader || loss.numel() != 1 ||
+            (local && (local->dim() != 1 || local->numel() < 2)))
+          throw std::invalid_argument("rank_row: check buffers of at least their header and a "
+                                      "one-element loss");
+        return rank_row(local ? local->to(shard.device()) : at::Tensor(), shard, loss,
+                        sample_losses, stop);
+      },
+      py::arg("local"), py::arg("shard"), py::arg("loss"), py::arg("sample_losses"),
+      py::arg("stop"));
+
   py::class_<Check>(m, "Check")
       .def(py::init<std::vector<std::string>, int64_t, int64_t>(), py::arg("names"),
            py::arg("offset") = 0, py::arg("length") = -1)
       .def("run", &Check::run, py::arg("grads"));
+}
+
+}  // namespace
+}  // namespace lockstep
+
+PYBIND11_MODULE(_C, m) {
+  using namespace lockstep;
+  m.doc() = "lockstep's check and decision (the harness's sources), for PyTorch trainers";
+  py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
+
+  m.attr("STATS_FIELDS") = py::make_tuple("shard_nonfinite", "shard_sumsq", "local_nonfinite",
+                                          "local_sumsq", "loss", "stop_requested",
+                                          "overflow_runs", "bad_samples", "compute_seconds");
+  static_assert(kRankStatsDoubles == 9, "the field list above is RankStats'");
+  m.attr("STATS_HEADER") = kernels::kStatsHeader;
+
+  bind_verdict(m);
+  bind_step_types(m);
+  bind_functions(m);
 }

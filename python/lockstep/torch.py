@@ -315,16 +315,18 @@ class SkipGuard:
                                   f"own trainer (lockstep train); the guard takes {takes}")
 
     def _decides_on_device(self):
-        """skip.device_decision: "auto" decides on the device with a fused Adam/AdamW (found_inf
-        and grad_scale, no host read) and lr_scheduler.on_skip = "advance"."""
-        mode = self.config["skip"]["device_decision"]
-        fused = bool(self.optimizer.defaults.get("fused")) and hasattr(self.optimizer, "_step_supports_amp_scaling")
-        advance = self.config["lr_scheduler"]["on_skip"] == "advance"
-        if mode == "on" and not (fused and advance):
-            raise ConfigError("invalid value for 'skip.device_decision': \"on\" needs a fused "
-                              "optimizer (torch.optim.AdamW(..., fused=True)) and "
-                              "lr_scheduler.on_skip = \"advance\"; set it to \"auto\" or \"off\"")
-        return mode != "off" and fused and advance
+        """skip.device_decision, by the trainer's own rule (lockstep._C): "auto" decides on the
+        device for gradients on a GPU, exchanged by NCCL, with a fused Adam/AdamW (found_inf
+        and grad_scale, no host read); "on" also elsewhere (a CPU: the tests), with a fused
+        optimizer."""
+        fused = bool(self.optimizer.defaults.get("fused")) and hasattr(
+            self.optimizer, "_step_supports_amp_scaling")
+        backend = ""
+        if self.world > 1:
+            backend = str(dist.get_backend(self.group))
+        host_exchange = "" if self.device.type != "cuda" or backend in ("", "nccl") or \
+            "cuda:nccl" in backend else f"the process group's {backend} exchanges on the host"
+        return self.core.decides_on_device(self.device.type == "cuda", host_exchange, fused)
 
     # ---- DDP: each rank's own gradient, before the all-reduce ---------------------------------
     def attach_ddp(self, ddp, process_group=None):
@@ -406,22 +408,12 @@ class SkipGuard:
                           f"{MISUSES[int(code)].format(a=a, b=b)}; nothing of this step was applied")
 
     def _row(self, shard, local, loss, stop, sample_losses):
-        """This rank's 72-byte row, in the field order of lockstep's stats table."""
+        """This rank's 72-byte row of lockstep's stats table (built by the harness's own code)."""
         dev = shard.device
-        zero = torch.zeros(1, dtype=torch.float64, device=dev)
-        if sample_losses is None:
-            bad = zero
-        else:
-            bad = (~torch.isfinite(torch.as_tensor(sample_losses, dtype=torch.float64,
-                                                   device=dev))).sum().reshape(1).double()
-        own = local if local is not None else torch.zeros(2, dtype=torch.float64, device=dev)
-        field = {"shard_nonfinite": shard[0:1], "shard_sumsq": shard[1:2],
-                 "local_nonfinite": own[0:1].to(dev), "local_sumsq": own[1:2].to(dev),
-                 "loss": loss.detach().reshape(1).to(dev, torch.float64),
-                 "stop_requested": zero + (1.0 if stop else 0.0),
-                 "overflow_runs": shard[2:3], "bad_samples": bad,
-                 "compute_seconds": zero}  # stragglers: the harness's, not measured here
-        return torch.cat([field[name] for name in _C.STATS_FIELDS])
+        losses = torch.as_tensor([] if sample_losses is None else sample_losses,
+                                 dtype=torch.float64, device=dev)
+        return _C.rank_row(local, shard, loss.detach().reshape(()).to(dev, torch.float64), losses,
+                           1.0 if stop else 0.0)
 
     def _row_width(self):
         return len(_C.STATS_FIELDS) + (len(self.params) if self._tensors else 0)

@@ -186,6 +186,27 @@ DeviceDecision::Late DeviceDecision::read(int64_t step) {
   return late;
 }
 
+bool device_decides(const Config& c, const UpdatePath& u) {
+  switch (c.skip.device_decision) {
+    case DeviceDecisionMode::kOff: return false;
+    case DeviceDecisionMode::kOn:
+      if (!u.takes_found_inf)
+        throw ConfigError(
+            "invalid value for 'skip.device_decision': \"on\" needs a fused optimizer that "
+            "takes found_inf (torch.optim.AdamW(..., fused=True)); set it to \"auto\" or "
+            "\"off\"");
+      return true;
+    case DeviceDecisionMode::kAuto: break;
+  }
+  return u.on_gpu && u.takes_found_inf && device_decision_blocker(c).empty() &&
+         host_decides_because(u).empty();
+}
+
+std::string host_decides_because(const UpdatePath& u) {
+  if (!u.on_gpu) return "";
+  return !u.host_exchange.empty() ? u.host_exchange : u.host_read;
+}
+
 void expect_same_decision(int64_t step, const Verdict& v, double clip,
                           const DeviceDecision::Late& device) {
   const kernels::DecideResult& r = device.result;

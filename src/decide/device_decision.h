@@ -32,11 +32,24 @@
 
 namespace lockstep {
 
-// Whether this run decides on the device: skip.device_decision = "on" (checked by the config),
-// or "auto" on a GPU with a config that has a device form, NCCL and the fused AdamW.
+// What a run's step offers a device decision; lockstep's trainer (placement.cpp) and the
+// PyTorch guard (python/lockstep/torch.py) each describe theirs and share the rule below.
+struct UpdatePath {
+  bool on_gpu = false;         // the gradients and the exchanged table live on a GPU
+  std::string host_exchange;   // why the table reaches the host anyway (Gloo, MPI), or ""
+  bool takes_found_inf = true; // the update skips and clips from found_inf and grad_scale
+  std::string host_read;       // why the update reads them on the host (a for-loop AdamW), or ""
+};
+// skip.device_decision for that path: "off": the host; "on": the device (the config reader
+// refused configs with no device form; ConfigError when the update cannot take found_inf);
+// "auto": the device on a GPU, for a config with a device form, when nothing reads on the host.
+bool device_decides(const Config& c, const UpdatePath& u);
+// Why "auto" keeps a config that has a device form on the host ("" when it does not).
+std::string host_decides_because(const UpdatePath& u);
+
+// The trainer's path (placement.cpp: its backend, its AdamW), and the rule over it.
+UpdatePath update_path(const Config& c, c10::Device device, int local_ranks = 1);
 bool decides_on_device(const Config& c, c10::Device device, int local_ranks = 1);
-// Why "auto" keeps a config that has a device form on the host ("" when it does not): a host
-// backend (Gloo, MPI) or the for-loop AdamW, for which the device form would add host syncs.
 std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks = 1);
 
 // The per-tensor policies' state the device starts from (TensorPolicies::device_start; empty

@@ -8,26 +8,26 @@
 
 namespace lockstep {
 
-bool decides_on_device(const Config& c, c10::Device device, int local_ranks) {
-  switch (c.skip.device_decision) {
-    case DeviceDecisionMode::kOn: return true;
-    case DeviceDecisionMode::kOff: return false;
-    case DeviceDecisionMode::kAuto: break;
-  }
-  return device.is_cuda() && device_decision_blocker(c).empty() &&
-         decides_on_host_because(c, device, local_ranks).empty();
-}
-
-std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks) {
-  if (!device.is_cuda()) return "";
+UpdatePath update_path(const Config& c, c10::Device device, int local_ranks) {
+  UpdatePath u;
+  u.on_gpu = device.is_cuda();
   // Gloo and MPI read the table on the host anyway (three blocking copies a step on a GPU);
   // the for-loop AdamW reads found_inf with .item() per parameter.
   const Backend backend = resolve_backend(c.parallelism.backend, device, local_ranks);
   if (backend == Backend::kGloo || backend == Backend::kMpi)
-    return fmt::format("parallelism.backend = \"{}\" exchanges on the host", name_of(backend));
+    u.host_exchange =
+        fmt::format("parallelism.backend = \"{}\" exchanges on the host", name_of(backend));
   if (c.optimizer.implementation == AdamWImpl::kForLoop)
-    return "optimizer.implementation = \"for-loop\" reads each skip on the host";
-  return "";
+    u.host_read = "optimizer.implementation = \"for-loop\" reads each skip on the host";
+  return u;
+}
+
+bool decides_on_device(const Config& c, c10::Device device, int local_ranks) {
+  return device_decides(c, update_path(c, device, local_ranks));
+}
+
+std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks) {
+  return host_decides_because(update_path(c, device, local_ranks));
 }
 
 }  // namespace lockstep

@@ -211,7 +211,7 @@ Event event_from_json(const json& j) {
   return e;
 }
 
-JsonlWriter::JsonlWriter(const std::string& path) {
+JsonlWriter::JsonlWriter(const std::string& path) : path_(path) {
   if (path.empty()) return;
   file_ = std::fopen(path.c_str(), "a");
   if (!file_)
@@ -226,8 +226,8 @@ void JsonlWriter::write(const json& record) {
   if (!file_) return;
   std::string line = record.dump();  // nlohmann writes a NaN double as null: use json_number
   line += '\n';
-  std::fwrite(line.data(), 1, line.size(), file_);
-  std::fflush(file_);
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
+    throw InputError(fmt::format("cannot write to '{}': {}", path_, std::strerror(errno)));
 }
 
 }  // namespace lockstep

@@ -101,6 +101,7 @@ double number_from_json(const nlohmann::json& j);
 class JsonlWriter {
  public:
   // Appends to `path` (a resumed run continues the same file). Empty path: writes nothing.
+  // Throws InputError when the file cannot be opened or a record not written (a full disk).
   explicit JsonlWriter(const std::string& path);
   ~JsonlWriter();
   JsonlWriter(const JsonlWriter&) = delete;
@@ -108,6 +109,7 @@ class JsonlWriter {
   void write(const nlohmann::json& record);
 
  private:
+  std::string path_;
   std::FILE* file_ = nullptr;
 };
 

@@ -42,11 +42,17 @@ def main():
             run_dir=run_dir)
     refused("unknown config key 'skip.enbled'", opt, run_dir=run_dir, skip_enbled=True)
     refused("needs a fused optimizer", opt, run_dir=run_dir, skip_device_decision="on")
+    # "auto" means what it means in lockstep's trainer (one rule, in C++): the device decides
+    # only for gradients on a GPU; "on" forces it (here on the CPU)
+    fused = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters(), fused=True)
+    assert not lt.SkipGuard(fused).on_device
+    assert lt.SkipGuard(fused, skip_device_decision="on").on_device
     assert not os.path.exists(run_dir), "a refused guard wrote its run_dir"
     guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir)  # one process
     assert os.path.isdir(os.path.join(run_dir, "diagnostics")) and guard.world == 1
     misuses(os.path.join(work, "misuses"))
     finish_checks_lengths(os.path.join(work, "lengths"))
+    other_world_size()
     print("guard inputs: ok")
 
 
@@ -139,6 +145,33 @@ def finish_checks_lengths(run_dir):
     except ValueError as e:
         assert "shard_stats: 4 values; expected 7" in str(e), str(e)
     assert not os.path.exists(os.path.join(run_dir, "diagnostics", "rank0.jsonl")), "wrote events"
+
+
+def other_world_size():
+    """A guard state saved by 2 ranks loads into one process: the counters and global windows
+    carry over (each rank's own windows fill again), with a line saying so; what is not a guard
+    state is refused in one line."""
+    import logging
+    two = lt._C.Core("", "<two ranks>", [("skip.enabled", "true")], 0, 2, [], "", "host", "cpu")
+    table = torch.zeros(2, len(lt._C.STATS_FIELDS), dtype=torch.float64)
+    table[:, 1], table[:, 4] = 0.5, 3.0  # sum of squares, loss
+    for _ in range(3):
+        two.finish(two.decide(table), table, lt._C.LocalStep(), lt._C.SampleTable(), 0.1, 8)
+    state = {"lockstep": two.state(), "step": 3}
+    guard = lt.SkipGuard(torch.optim.AdamW(torch.nn.Linear(4, 4).parameters()), skip_enabled=True)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    lt.log.addHandler(handler)
+    guard.load_state_dict(state)
+    lt.log.removeHandler(handler)
+    assert guard.counters["step"] == 3 and guard.counters["tokens_seen"] == 24, guard.counters
+    assert any("state saved by 2 rank(s), loaded on 1" in m for m in seen), seen
+    try:
+        guard.load_state_dict({"lockstep": "not json", "step": 1})
+        raise AssertionError("a state that is not JSON was accepted")
+    except ValueError as e:
+        assert str(e).startswith("guard state: not a lockstep guard state"), str(e)
 
 
 if __name__ == "__main__":

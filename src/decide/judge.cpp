@@ -1,0 +1,83 @@
+#include "decide/judge.h"
+
+#include <fmt/format.h>
+
+namespace lockstep {
+
+StepJudge::StepJudge(const Config& c, const SkipConfig& skip, std::vector<NamedTensor> grads,
+                     std::vector<std::string> tensors, Comm* comm, Where where)
+    : detector_(skip, c.training, where.world),
+      tensors_(c.skip, std::move(tensors), comm),
+      explainer_(c.skip, c.diagnostics.top_params, where.rank, std::move(grads),
+                 std::move(where.host), std::move(where.device), std::move(where.loop)),
+      world_(where.world) {}
+
+void StepJudge::start_device(c10::Device device) {
+  device_ = std::make_unique<DeviceDecision>(device, world_, detector_, tensors_.device_start());
+}
+
+DeviceDecision::Update StepJudge::decide_on_device(const at::Tensor& table, int64_t step) {
+  return device_->decide(table, step);
+}
+
+StepJudge::Late StepJudge::read(int64_t step) {
+  if (!device_) throw std::invalid_argument("read: nothing was decided on the device");
+  const DeviceDecision::Late late = device_->read(step);
+  Late out{detector_.decide(late.table), late.table, late.waited};
+  tensors_.mirror(step, late, out.verdict);  // per tensor
+  expect_same_decision(step, out.verdict, out.verdict.clip, late);
+  return out;
+}
+
+void StepJudge::open_events(const std::string& path,
+                            std::function<void(const std::string&)> warn, bool now) {
+  events_path_ = path;
+  warn_ = std::move(warn);
+  if (now) events_ = std::make_unique<JsonlWriter>(path);
+}
+
+void StepJudge::write_event(const nlohmann::json& record) {
+  if (events_path_.empty()) return;
+  try {  // the file appears with its first event
+    if (!events_) events_ = std::make_unique<JsonlWriter>(events_path_);
+    events_->write(record);
+  } catch (const std::exception& err) {  // a side channel: training goes on
+    if (!warned_ && warn_)
+      warn_(fmt::format("cannot write the diagnostics events to {} ({}); training goes on "
+                        "without them (this is said once)",
+                        events_path_, err.what()));
+    warned_ = true;
+  }
+}
+
+Event StepJudge::explain(const RunCounters& before, const RankStep& mine, const Verdict& v,
+                         const std::vector<RankStats>& table, const SampleTable& samples,
+                         double lr, int64_t tokens, int64_t data_position) {
+  RunCounters after = before;  // the run's counters as this step leaves them
+  count(after, v, tokens, data_position);
+  const Event e = explainer_.event(after, mine, v, table, samples, detector_, lr);
+  write_event(to_json(e));
+  return e;
+}
+
+void StepJudge::record(RunCounters& counters, const Verdict& v, int64_t tokens,
+                       int64_t data_position) {
+  detector_.record(v);  // windows, guards, loss scale: the same verdict, the same state
+  count(counters, v, tokens, data_position);
+}
+
+nlohmann::json StepJudge::state() const {
+  nlohmann::json j = detector_.state();
+  if (tensors_.active()) j["tensors"] = tensors_.state();
+  return j;
+}
+
+void StepJudge::load_state(const nlohmann::json& detector, const nlohmann::json& loss_scale) {
+  if (!detector.empty()) detector_.load_state(detector);
+  if (tensors_.active() && detector.contains("tensors"))  // else: a fresh warm-up
+    tensors_.load_state(detector.at("tensors"));
+  detector_.load_loss_scale(loss_scale);
+  device_.reset();  // a device decision starts again from the host's state
+}
+
+}  // namespace lockstep
