@@ -455,7 +455,9 @@ class SkipGuard:
             row = self._row(shard, local, loss, stop, sample_losses)
             if self._tensors:  # each tensor's partial sum of squares rides in the same exchange
                 row = torch.cat([row, self._tensor_sums(shard, params)])
-        codes = torch.tensor(misuse, dtype=torch.float64, device=row.device)
+        codes = torch.zeros(_MISUSE_COLUMNS, dtype=torch.float64, device=row.device)
+        if misuse[0]:  # (a clean step copies nothing from the host: no wait on a GPU)
+            codes = torch.tensor(misuse, dtype=torch.float64, device=row.device)
         mine = _C.LocalStep()
         if shard is not None:
             mine.local_stats = local  # the DDP hook's stats are in the guard's order already
@@ -477,11 +479,12 @@ class SkipGuard:
         misuse = self._misuse(loss, params, sample_ids, sample_losses)
         row, mine, grads = self._measure(loss, params, misuse, sample_losses, stop)
         whole = self._exchange(row)
+        if not self.on_device:  # the host decides: one read of the exchanged table
+            whole = whole.cpu()
+            self._refuse(whole[:, -_MISUSE_COLUMNS:])
         codes = whole[:, -_MISUSE_COLUMNS:]
         whole = whole[:, :-_MISUSE_COLUMNS]
         sums, table = whole[:, len(_C.STATS_FIELDS):], whole[:, :len(_C.STATS_FIELDS)]
-        if not self.on_device:
-            self._refuse(codes)  # the host path reads the table anyway: no extra wait
         self._step += 1
         if sample_ids is not None:
             mine.sample_ids = list(map(int, sample_ids))
