@@ -12,11 +12,14 @@ applies the verdict to the optimizer. docs/pytorch.md says what each part does a
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
 import socket
+import time
 import weakref
+from datetime import timedelta
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +41,8 @@ ConfigError = _C.ConfigError
 
 # The sections of a lockstep config the guard reads; the others belong to the harness's trainer
 # (a full lockstep TOML file is accepted, its other sections unused).
-GUARD_KEYS = ("skip.", "diagnostics.", "lr_scheduler.on_skip", "training.max_norm")
+GUARD_KEYS = ("skip.", "diagnostics.", "lr_scheduler.on_skip", "training.max_norm",
+              "comm.train_timeout_seconds")
 SECTIONS = ("job", "model", "training", "optimizer", "lr_scheduler", "checkpoint", "metrics",
             "data", "validation", "parallelism", "comm", "skip", "diagnostics", "fault")
 # What needs the harness's own step (the batch, a replay, a peer's recomputation).
@@ -51,6 +55,12 @@ HARNESS_ONLY = {  # the values the guard takes; others need lockstep's own train
     ("skip", "max_consecutive_tokens"): (0,),
     ("skip", "max_consecutive_seconds"): (0,),
 }
+
+
+class StalledRank(RuntimeError):
+    """Raised on the ranks that wait when another rank did not reach guard.step within
+    comm.train_timeout_seconds (it stopped calling it, hangs elsewhere or died); the message
+    names it. Nothing of that step was applied."""
 
 
 class StepAborted(RuntimeError):
@@ -171,6 +181,26 @@ def _grad_parts(params):
     return [g._local_tensor for g in grads], True
 
 
+@functools.lru_cache(maxsize=None)
+def _build_id():
+    """lockstep's C++ as built: a digest of the extension's own bytes (two builds of one version
+    string differ here)."""
+    with open(_C.__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _digest(text):
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _first_difference(shapes, reference):
+    """The first parameter where `shapes` differs from `reference` ('' if none)."""
+    for i, (a, b) in enumerate(zip(shapes, reference)):
+        if a != b:
+            return f"parameter {i}: {a}"
+    return f"{len(shapes)} tensors" if len(shapes) != len(reference) else ""
+
+
 class Verdict:
     """The agreed verdict of one guard.step, the same on every rank: `step` (the guard's count,
     1-based), `decision` ("step", "skip", "clip" or "abort"), `reasons`, `grad_norm`, `loss`,
@@ -264,6 +294,35 @@ class SkipGuard:
         self.rank = dist.get_rank(process_group) if distributed else 0
         self.world = dist.get_world_size(process_group) if distributed else 1
         self.run_dir = os.fspath(run_dir) if run_dir is not None else ""
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        try:  # a setting refused on one rank is refused on every rank (none waits for it)
+            self._settings(config, overrides)
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
+        self._agree(refused)
+        if self.run_dir:  # only for a valid config: a refused guard writes nothing
+            os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
+        self._step = 0
+        self._checks = {}
+        self._sum_index = {}
+        self._local_parts = []
+        self._pending = None
+        self.last_verdict = None
+        self._epoch = None  # the scheduler's last_epoch after the guard's last step
+        self._inside = False  # the guard's own optimizer.step() is running
+        self._exchange_group = self._group_with_timeout()
+        self._hooks = _claim(optimizer, self)
+        if ddp is not None:
+            self.attach_ddp(ddp)
+
+    # ---- settings --------------------------------------------------------------------------
+    def _settings(self, config, overrides):
+        """The config read by lockstep's reader, and what the guard's path allows of it."""
         text, origin = "", "<guard>"
         if isinstance(config, (str, os.PathLike)):
             origin = os.fspath(config)
@@ -275,37 +334,67 @@ class SkipGuard:
                                   "TOML file or a dict") from None
         elif config is not None and not isinstance(config, dict):
             raise ConfigError(f"config: {type(config).__name__}; expected a TOML file path or a dict")
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        device = self.params[0].device if self.params else torch.device("cpu")
-        self.device = device
         self.core = _C.Core(text, origin, _overrides(config, overrides), self.rank, self.world,
-                            self.names, self.run_dir, socket.gethostname(), str(device))
+                            self.names, self.run_dir, socket.gethostname(), str(self.device))
         self.config = json.loads(self.core.config_json())
         self._refuse_harness_only()
         self._tensors = self.core.tensors_active()  # AdaGC's clip, SPAM's reset
-        if self.config["skip"]["spike_moment_reset"] and not _adam_like(optimizer):
+        if self.config["skip"]["spike_moment_reset"] and not _adam_like(self.optimizer):
             raise ConfigError("invalid value for 'skip.spike_moment_reset': true needs Adam or "
-                              f"AdamW moments (exp_avg, exp_avg_sq); {type(optimizer).__name__} "
+                              f"AdamW moments (exp_avg, exp_avg_sq); {type(self.optimizer).__name__} "
                               "has none to reset; set it to false")
         self.on_device = self._decides_on_device()
-        if self.run_dir:  # only for a valid config: a refused guard writes nothing
-            os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
-        self._step = 0
-        self._checks = {}
-        self._sum_index = {}
-        self._local_parts = []
-        self._pending = None
-        self.last_verdict = None
-        self._epoch = None  # the scheduler's last_epoch after the guard's last step
-        self._inside = False  # the guard's own optimizer.step() is running
-        self._hooks = _claim(optimizer, self)
-        if ddp is not None:
-            self.attach_ddp(ddp)
 
-    # ---- settings --------------------------------------------------------------------------
+    def _fingerprint(self):
+        """What every rank's guard must share: its resolved settings, the optimizer's kind and
+        hyper-parameters, the parameters' names, shapes and dtypes in order, the world, the
+        build of lockstep's C++ (the extension's own bytes) and torch's version."""
+        out = {f"{section}.{key}": value for section in ("skip", "diagnostics")
+               for key, value in self.config[section].items()}
+        out["lr_scheduler.on_skip"] = self.config["lr_scheduler"]["on_skip"]
+        out["training.max_norm"] = self.config["training"]["max_norm"]
+        out["comm.train_timeout_seconds"] = self.config["comm"]["train_timeout_seconds"]
+        inner = getattr(self.optimizer, "optimizers", None) or [self.optimizer]
+        out["optimizer"] = ", ".join(type(o).__name__ for o in inner)
+        for i, group in enumerate(self.optimizer.param_groups):
+            for key, value in sorted(group.items()):
+                if key != "params":
+                    out[f"optimizer.param_groups[{i}].{key}"] = repr(value)
+        shapes = [f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
+                  for n, p in zip(self.names, self.params)]
+        out["parameters"] = f"{len(shapes)} tensors, digest {_digest(chr(10).join(shapes))}"
+        out["world_size"] = dist.get_world_size() if self.world > 1 else 1
+        out["lockstep build"] = _build_id()
+        out["torch"] = torch.__version__
+        return out, shapes
+
+    def _agree(self, refused):
+        """Every rank's guard alike, checked at construction: a setting refused on any rank, or
+        any difference, raises ConfigError on every rank naming the rank, the key and the values."""
+        if self.world == 1:
+            if refused:
+                raise ConfigError(refused)
+            return
+        mine = {"refused": refused} if refused else dict(zip(("values", "shapes"),
+                                                             self._fingerprint()))
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        bad = [(r, e["refused"]) for r, e in enumerate(every) if "refused" in e]
+        if bad:
+            raise ConfigError(f"lockstep guard: rank {bad[0][0]}: {bad[0][1]}" + (
+                f" (and rank {', '.join(str(r) for r, _ in bad[1:])})" if len(bad) > 1 else ""))
+        differ = []
+        for key in every[0]["values"]:
+            values = [e["values"].get(key) for e in every]
+            if any(v != values[0] for v in values):
+                if key == "parameters":
+                    values = [_first_difference(e["shapes"], every[0]["shapes"]) or v
+                              for e, v in zip(every, values)]
+                differ.append(f"'{key}': " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
+        if differ:
+            raise ConfigError("lockstep guard: the ranks' guards differ in " + "; ".join(differ) +
+                              "; build the guard, its optimizer and model alike on every rank")
+
     def _refuse_harness_only(self):
         for (section, key), fine in HARNESS_ONLY.items():
             value = self.config[section][key]
@@ -418,12 +507,53 @@ class SkipGuard:
     def _row_width(self):
         return len(_C.STATS_FIELDS) + (len(self.params) if self._tensors else 0)
 
+    def _group_with_timeout(self):
+        """The group the rows go over: the process group's ranks and backend with
+        comm.train_timeout_seconds as its collective timeout, so a rank that stops calling
+        guard.step fails the others then (named by _stalled), not after the backend's default
+        (Gloo's: 30 minutes)."""
+        if self.world == 1:
+            return None
+        return dist.new_group(
+            ranks=dist.get_process_group_ranks(self.group or dist.group.WORLD),
+            timeout=timedelta(seconds=self.config["comm"]["train_timeout_seconds"]),
+            backend=dist.get_backend(self.group), use_local_synchronization=True)
+
     def _exchange(self, row):
         if self.world == 1:
             return row.reshape(1, -1)
         table = torch.empty(self.world * row.numel(), dtype=row.dtype, device=row.device)
-        _all_gather_single(table, row, group=self.group)
+        try:
+            _all_gather_single(table, row, group=self._exchange_group)
+        except RuntimeError as e:  # a rank did not come (Gloo raises; NCCL's watchdog aborts)
+            raise self._stalled(e) from None
         return table.reshape(self.world, -1)
+
+    def _stalled(self, error):
+        """The error of a step some rank did not reach: every rank that did says so in the job's
+        store, then waits up to the timeout again for the others; the ones still missing are
+        named (the same on every waiting rank, barring a rank later than the timeout)."""
+        timeout = self.config["comm"]["train_timeout_seconds"]
+        step = self._step + 1
+        missing = "?"
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            ranks = dist.get_process_group_ranks(self._exchange_group)
+            store.set(f"lockstep/guard/{step}/{dist.get_rank()}", "1")
+            deadline = time.monotonic() + timeout
+            while True:
+                here = [r for r in ranks if store.check([f"lockstep/guard/{step}/{r}"])]
+                if len(here) == len(ranks) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            missing = ", ".join(str(dist.get_group_rank(self._exchange_group, r))
+                                for r in ranks if r not in here) or "?"
+        except Exception:  # noqa: BLE001  (the store is torch's private API: name no rank then)
+            pass
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return StalledRank(f"lockstep guard: rank {missing} did not reach guard.step {step} within "
+                           f"comm.train_timeout_seconds = {timeout:g} s ({first}); every rank "
+                           "must call guard.step once per step; nothing of this step was applied")
 
     def _samples(self, v, sample_ids, sample_losses):
         """Every rank's sample ids and losses, exchanged on anomalous steps only (every rank
@@ -435,7 +565,7 @@ class SkipGuard:
         every = [mine]
         if self.world > 1:
             every = [None] * self.world
-            dist.all_gather_object(every, mine, group=self.group)
+            dist.all_gather_object(every, mine, group=self._exchange_group)
         table.ids = [ids for ids, _ in every]
         table.losses = [losses for _, losses in every]
         return table

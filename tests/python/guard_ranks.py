@@ -6,7 +6,8 @@ reproduces the rest of the run, and the device path (fused AdamW, found_inf) dec
 host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
-Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, device, adagc, adagc-device. Exit 0 and "ok" on success.
+Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, device, adagc,
+adagc-device. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -320,6 +322,69 @@ def misuse(run_dir):
         gc.collect()
 
 
+def refused_everywhere(expect, build):
+    """build() raises ConfigError on every rank, in one line containing each of `expect`."""
+    try:
+        build()
+    except lt.ConfigError as e:
+        assert all(x in str(e) for x in expect) and "\n" not in str(e), str(e)
+        return
+    raise AssertionError(f"rank {dist.get_rank()}: accepted, expected {expect}")
+
+
+def agree(run_dir):
+    """The guards of all ranks agree at construction: a setting refused on one rank, another
+    threshold, another learning rate or another model raise ConfigError on every rank naming
+    the rank, the key and each rank's value (none waits for the others)."""
+    rank = dist.get_rank()
+    m = model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    refused_everywhere(["rank 1: invalid value for 'skip.max_grad_norm'"], lambda: lt.SkipGuard(
+        opt, SKIP, model=m, skip_max_grad_norm=-1.0 if rank == 1 else 0.0))
+    refused_everywhere(["differ in 'skip.max_grad_norm': rank 0 0.0, rank 1 5.0"],
+                       lambda: lt.SkipGuard(opt, SKIP, model=m, skip_max_grad_norm=5.0 * rank))
+    refused_everywhere(["'training.max_norm': rank 0 1.0, rank 1 2.0"], lambda: lt.SkipGuard(
+        opt, SKIP, model=m, training_max_norm=1.0 + rank))
+    other = torch.optim.AdamW(m.parameters(), lr=1e-3 * (1 + rank))
+    refused_everywhere(["'optimizer.param_groups[0].lr': rank 0 0.001, rank 1 0.002"],
+                       lambda: lt.SkipGuard(other, SKIP, model=m))
+    torch.manual_seed(0)
+    wider = Llama(VOCAB, 32 + 16 * rank, 2, 4, 2, SEQ, 10000.0, 16)
+    refused_everywhere(["'parameters': rank 0 ", "rank 1 parameter 0: tok_embeddings.weight (64, 48)"],
+                       lambda: lt.SkipGuard(torch.optim.AdamW(wider.parameters()), SKIP,
+                                            model=wider))
+    guard = lt.SkipGuard(opt, SKIP, model=m)  # alike: accepted
+    assert guard.world == 2
+
+
+def stall(run_dir):
+    """Rank 1 stops calling guard.step after step 3: rank 0 raises StalledRank at step 4 naming
+    rank 1, within comm.train_timeout_seconds (here 2 s) and a grace as long, not Gloo's 30
+    minutes; then rank 1, told by a file, leaves."""
+    rank = dist.get_rank()
+    m = model()  # no DDP: each rank's own gradient (rank 1 is absent from no other collective)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    guard = lt.SkipGuard(opt, SKIP, model=m, comm_train_timeout_seconds=2)
+    done = os.path.join(run_dir, "rank0-raised")
+    for step in range(1, 5):
+        if rank == 1 and step == 4:
+            while not os.path.exists(done):  # the event: rank 0 raised (no wait on a duration)
+                time.sleep(0.05)
+            return
+        opt.zero_grad(set_to_none=True)
+        loss, _, _ = forward_backward(m, step, rank, None, {})
+        try:
+            guard.step(loss)
+        except lt.StalledRank as e:
+            assert rank == 0 and step == 4, (rank, step, str(e))
+            assert str(e).startswith("lockstep guard: rank 1 did not reach guard.step 4 within "
+                                     "comm.train_timeout_seconds = 2 s"), str(e)
+            os.makedirs(run_dir, exist_ok=True)
+            open(done, "w").close()
+            return
+    raise AssertionError(f"rank {rank}: step 4 was taken without rank 1")
+
+
 def device(run_dir):
     """Fused AdamW: the device path (found_inf, grad_scale; read a step late) and the host path
     take the same decisions and end at the same bits (no clip: grad_scale is 1)."""
@@ -350,6 +415,7 @@ def main():
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
          "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse,
+         "agree": agree, "stall": stall,
          "adagc": adagc, "adagc-device": adagc_device}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
