@@ -941,10 +941,12 @@ void validate_fsdp(const Config& c) {
         "\"gpt\" ties its head to its embedding across them; use model.name = \"llama\" or "
         "parallelism.mode = \"sharded\"");
   for (const auto& f : parse_fault_inject(c.fault.inject))
-    if (f.kind == FaultKind::kDesync)
-      throw ConfigError("invalid value for 'fault.inject': desync diverges a replica of the "
-                        "parameters, and parallelism.mode = \"fsdp\" keeps none; use "
-                        "parallelism.mode = \"ddp\" or \"sharded\" to test it");
+    if (f.kind == FaultKind::kDesync || f.kind == FaultKind::kNanWeight)
+      throw ConfigError(fmt::format(
+          "invalid value for 'fault.inject': {} writes into a replica of the parameters, and "
+          "parallelism.mode = \"fsdp\" keeps none; use parallelism.mode = \"ddp\" or "
+          "\"sharded\" to test it",
+          fault_name(f.kind)));
 }
 
 void validate_device_decision(const Config& c) {

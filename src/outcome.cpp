@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <csignal>
 
 #include "diag/verify.h"
@@ -20,10 +21,24 @@ Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<R
   return e;
 }
 
+void judge_model(Job& job, Verdict& v) {
+  if (v.nonfinite == 0 && std::isfinite(v.loss)) return;
+  const auto mine = nonfinite_tensors(job.dp->held_parameters());
+  int64_t count = 0;
+  for (const auto& [name, n] : mine) count += n;
+  std::vector<int> ranks;
+  const auto every = all_gather_values(job.comm.get(), {static_cast<double>(count)});
+  for (size_t r = 0; r < every.size(); ++r)
+    if (every[r].at(0) > 0) ranks.push_back(static_cast<int>(r));
+  if (!ranks.empty()) blame_model(v, ranks, mine);
+}
+
 void abort_run(Job& job, const Event& e, const Verdict& v) {
   log::flush();
   std::string saved = "no checkpoint (checkpoint.enable = false)";
-  if (job.config.checkpoint.enable && job.state.step > 0)
+  if (v.cause == kCauseModel)  // its parameters are what went wrong: nothing to keep
+    saved = "nothing saved (the parameters are nonfinite)";
+  else if (job.config.checkpoint.enable && job.state.step > 0)
     saved = "last good state saved in " + save_checkpoint(job);
   throw TrainingAborted(abort_message(e, saved, job.run_dir),
                         v.guard == "skip.on_hardware_fault = abort" ? ExitCode::kHardwareFault

@@ -47,8 +47,15 @@ bool after_step(Job& job, Progress& progress, TrainResult& result, const StepRes
 Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
               const SampleTable& samples, double lr, int64_t data_position);
 
-// An abort's end: every rank saves the last good state (the weights are still it) and throws
-// TrainingAborted with the event's one line (exit 5, or 6 for skip.on_hardware_fault).
+// A step with nonfinite values, checked against the model: every rank counts the nonfinite
+// values of the parameters it holds and the counts are exchanged (a collective: every rank
+// calls it on the same anomalous steps); any found turn `v` into an abort blaming the model
+// (decide/judge.h: blame_model), nothing quarantined.
+void judge_model(Job& job, Verdict& v);
+
+// An abort's end: every rank saves the last good state (the weights are still it; not when the
+// parameters are what is nonfinite) and throws TrainingAborted with the event's one line (exit
+// 4, or 5 for skip.on_hardware_fault).
 [[noreturn]] void abort_run(Job& job, const Event& e, const Verdict& v);
 
 // Every rank saw the same stop request in the same all-gather: all stop after this step

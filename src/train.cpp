@@ -88,11 +88,13 @@ std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
   return table;
 }
 
-// An anomalous step's explanation: every rank exchanges its batch's sample ids and writes its
-// event; an abort ends the run here, the last good state saved.
-void explain_step(Job& job, RankStep& s, const Verdict& v, const std::vector<RankStats>& table,
+// An anomalous step's explanation: a nonfinite one is checked against the model's own
+// parameters (judge_model), every rank exchanges its batch's sample ids and writes its event;
+// an abort ends the run here, the last good state saved.
+void explain_step(Job& job, RankStep& s, Verdict& v, const std::vector<RankStats>& table,
                   double lr, int64_t data_position) {
   if (!v.anomalous() || v.interrupted) return;  // an interrupted step did not happen
+  judge_model(job, v);
   read_to_host(s);
   const SampleTable samples = exchange_samples(s.sample_ids, s.sample_losses, job.comm.get());
   const Event e = explain(job, s, v, table, samples, lr, data_position);
@@ -130,7 +132,7 @@ void decide_on_host(Job& job, Issued& i) {
   s.costs.decision += seconds_since(start);
   r.compute_seconds = compute_times(table);
   const TensorActions tensors = job.judge->tensors().step(s.shard_stats, r.verdict);  // per tensor
-  const Verdict& v = r.verdict;
+  Verdict& v = r.verdict;
   warn_overflow(i.step, v);
   explain_step(job, s, v, table, i.lr, job.sampler->position());
   // The clip (the core's, against training.max_norm or a clip decision's lower bound) and the
@@ -171,7 +173,7 @@ StepResult read_device_verdict(Job& job, Issued& i) {
   r.compute_seconds = compute_times(late.table);
   i.s.costs.wait += late.waited;
   i.s.costs.waits += late.waited > 0 ? 1 : 0;
-  const Verdict& v = r.verdict;
+  Verdict& v = r.verdict;
   r.clip = v.clip;
   warn_overflow(i.step, v);
   explain_step(job, i.s, v, late.table, i.lr, i.data_position);

@@ -322,6 +322,12 @@ TEST(Quarantine, OnlySampleLevelEvidenceQuarantines) {
   v.cause = "";
   e = judge_samples(v, t, 6.0);
   EXPECT_TRUE(e.quarantine.empty() && e.suspect.empty());
+  // Every sample of the culprit's batch nonfinite: the model or the rank, not a sample (a NaN
+  // weight made them so): nothing quarantined (issue 42); one NaN among finite ones still is.
+  t.losses[1] = {kNaN, kNaN, kNaN, kNaN};
+  v.cause = "";
+  e = judge_samples(v, t, 6.0);
+  EXPECT_TRUE(e.quarantine.empty() && e.suspect.empty()) << e.quarantine.size();
   // A global instability never quarantines, not even NaN losses.
   t.losses = {{kNaN, kNaN, kNaN, kNaN}, {kNaN, kNaN, kNaN, kNaN}};
   v.scope = "global";

@@ -367,6 +367,32 @@ TEST(SkipAgreement, MpiAndGlooGiveTheSameWeights) {
   EXPECT_NE(b.out.find("mpi collectives"), std::string::npos) << b.out;
 }
 
+// One parameter of rank 1 turns NaN after step 5's update (as a NaN in imported weights would):
+// every sample of rank 1's next batch is NaN. The run used to skip into the guard, blaming both
+// ranks and quarantining innocent samples; now the nonfinite step is checked against the
+// parameters each rank holds, and every rank aborts at step 6 naming rank 1 and the tensor,
+// quarantining nothing and saving nothing (issue 42).
+TEST(SkipRun, ANonfiniteParameterAbortsBlamingTheModelNotTheSamples) {
+  test::TempDir dir;
+  auto r = run_ranks(2, dir.path(), 12,
+                     "--fault.inject nan_weight@5:1 --skip.enabled true");
+  EXPECT_EQ(r.code, 4) << r.out;
+  EXPECT_NE(r.out.find("step 6: aborted on "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(nonfinite parameters on rank 1: wte.weight (1 nonfinite))"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("the model: its own parameters are nonfinite"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("nothing saved (the parameters are nonfinite)"), std::string::npos) << r.out;
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto events = read_jsonl(dir / ("diagnostics/rank" + std::to_string(rank) + ".jsonl"));
+    ASSERT_EQ(events.size(), 1u) << rank;
+    EXPECT_EQ(events[0]["decision"], "abort");
+    EXPECT_EQ(events[0]["cause"], "model");
+    EXPECT_TRUE(events[0]["quarantine_sample_ids"].empty()) << events[0].dump();
+    EXPECT_TRUE(events[0]["culprit_ranks"].empty()) << events[0].dump();
+  }
+}
+
 TEST(SkipDiag, DiagNamesTheCulpritRankAndSamplesAndReportDrawsThePicture) {
   test::TempDir dir;
   // nan_grad belongs to the batch: rank 1's replay reproduces it, so the cause is data and,

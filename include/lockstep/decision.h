@@ -44,11 +44,13 @@ struct ReplayResult {
 
 // Why, as far as replays can tell: a batch that reproduces its anomaly anywhere is data; one
 // that does not reproduce on its own device was a transient fault; one that reproduces there
-// but not on a peer's is that device's hardware. A global anomaly is instability.
+// but not on a peer's is that device's hardware. A global anomaly is instability; nonfinite
+// parameters are the model itself (decide/judge.h: blame_model).
 inline constexpr const char* kCauseData = "data";
 inline constexpr const char* kCauseTransient = "transient_fault";
 inline constexpr const char* kCauseHardware = "hardware";
 inline constexpr const char* kCauseInstability = "instability";
+inline constexpr const char* kCauseModel = "model";
 
 struct Verdict {
   Decision decision = Decision::kStep;

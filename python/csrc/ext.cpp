@@ -366,6 +366,17 @@ void bind_functions(py::module_& m) {
       py::arg("local"), py::arg("shard"), py::arg("loss"), py::arg("sample_losses"),
       py::arg("stop"));
 
+  // An anomalous step's check of the model itself (check/gradcheck.h, decide/judge.h): the
+  // tensors holding nonfinite values with their counts; the verdict turned into an abort that
+  // blames the model when any rank found one.
+  m.def(
+      "nonfinite_tensors",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+        return nonfinite_tensors(named(names, tensors));
+      },
+      py::arg("names"), py::arg("tensors"));
+  m.def("blame_model", &blame_model, py::arg("verdict"), py::arg("ranks"), py::arg("mine"));
+
   py::class_<Check>(m, "Check")
       .def(py::init<std::vector<std::string>, int64_t, int64_t>(), py::arg("names"),
            py::arg("offset") = 0, py::arg("length") = -1)

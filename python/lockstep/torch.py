@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -623,6 +624,7 @@ class SkipGuard:
         if self.on_device:  # the per-tensor sums, if any, go along
             return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses, codes)
         v = self.core.decide(table)
+        self._judge_model(v)
         factors = self._tensor_actions(sums, v, params)
         if v.updates:
             if v.clip < 1.0:
@@ -635,6 +637,20 @@ class SkipGuard:
         mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
         self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
         return Verdict(self._step, self, v)
+
+    def _judge_model(self, v):
+        """A step with nonfinite values, checked against the model's own parameters (each rank
+        those it holds: FSDP2's shards), the counts exchanged so every rank agrees: any turns
+        the verdict into an abort blaming the model, with nothing quarantined."""
+        if v.nonfinite == 0 and math.isfinite(v.loss):
+            return
+        mine = _C.nonfinite_tensors(self.names, [_local(p).detach() for p in self.params])
+        count = torch.tensor([float(sum(n for _, n in mine))], dtype=torch.float64,
+                             device=self.device)
+        every = self._exchange(count)[:, 0].tolist()
+        ranks = [r for r, c in enumerate(every) if c > 0]
+        if ranks:
+            _C.blame_model(v, ranks, mine)
 
     def _in_guard_order(self, stats, params):
         """A check's buffer over `params` (those with gradients) as one over all of the guard's
@@ -731,6 +747,7 @@ class SkipGuard:
             return None
         self._refuse(p.misuse)
         v, table = self.core.read_device(p.verdict.step)
+        self._judge_model(v)
         p.mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
         p.verdict._core = v
         self._finish(v, table, p.mine, self._samples(v, *p.samples), p.lr, p.tokens)

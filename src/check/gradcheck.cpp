@@ -7,6 +7,7 @@
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 #include <fmt/core.h>
 
 // map_blocks' at::parallel_for (and the bench's) would quietly run on one thread.
@@ -14,6 +15,7 @@
 #error "lockstep_core must be compiled with OpenMP (CMake: OpenMP::OpenMP_CXX) when ATen uses it"
 #endif
 
+#include <algorithm>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -239,6 +241,19 @@ GradCheckStats GradCheck::read(const at::Tensor& stats) {
     s.tensor_sumsq.push_back(p[kernels::kStatsHeader + 2 * t + 1]);
   }
   return s;
+}
+
+std::vector<std::pair<std::string, int64_t>> nonfinite_tensors(
+    const std::vector<NamedTensor>& tensors) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (const NamedTensor& t : tensors) {
+    if (!t.tensor.defined() || t.tensor.numel() == 0) continue;
+    const int64_t n = at::isfinite(t.tensor.detach()).logical_not().sum().item<int64_t>();
+    if (n > 0) out.emplace_back(t.name, n);
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  return out;
 }
 
 }  // namespace lockstep

@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/gradcheck.h"
@@ -74,5 +76,10 @@ class GradCheck {
   struct Cuda;
   std::unique_ptr<Cuda> cuda_;
 };
+
+// The tensors of `tensors` holding nonfinite values, with how many, most first (a pass and a
+// read each: for the rare step whose cause may be the model's own parameters).
+std::vector<std::pair<std::string, int64_t>> nonfinite_tensors(
+    const std::vector<NamedTensor>& tensors);
 
 }  // namespace lockstep

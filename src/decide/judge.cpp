@@ -1,8 +1,23 @@
 #include "decide/judge.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace lockstep {
+
+void blame_model(Verdict& v, const std::vector<int>& ranks,
+                 const std::vector<std::pair<std::string, int64_t>>& mine) {
+  std::vector<std::string> named;
+  for (size_t i = 0; i < mine.size() && i < 3; ++i)
+    named.push_back(fmt::format("{} ({} nonfinite)", mine[i].first, mine[i].second));
+  if (mine.size() > 3) named.push_back(fmt::format("... {} tensors in all", mine.size()));
+  v.decision = Decision::kAbort;
+  v.scope = "global";
+  v.cause = kCauseModel;
+  v.culprit_ranks.clear();
+  v.guard = fmt::format("nonfinite parameters on rank {}{}", fmt::join(ranks, ", "),
+                        named.empty() ? "" : fmt::format(": {}", fmt::join(named, ", ")));
+}
 
 StepJudge::StepJudge(const Config& c, const SkipConfig& skip, std::vector<NamedTensor> grads,
                      std::vector<std::string> tensors, Comm* comm, Where where)

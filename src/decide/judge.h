@@ -30,6 +30,13 @@
 
 namespace lockstep {
 
+// A nonfinite step whose cause is the model itself: `ranks` found nonfinite values in the
+// parameters they hold (`mine`: this rank's, by tensor). The verdict becomes an abort of global
+// scope and cause "model", blaming no rank and no sample (nothing is quarantined), its guard
+// naming the ranks and this rank's tensors.
+void blame_model(Verdict& v, const std::vector<int>& ranks,
+                 const std::vector<std::pair<std::string, int64_t>>& mine);
+
 class StepJudge {
  public:
   struct Where {

@@ -108,7 +108,11 @@ SampleEvidence judge_samples(const Verdict& v, const SampleTable& t, double zsco
   const bool data = v.cause.find(kCauseData) != std::string::npos;
   for (int r : v.culprit_ranks) {
     if (r < 0 || static_cast<size_t>(r) >= t.ids.size()) continue;  // no samples given
-    const std::vector<size_t> bad = outlying_samples(t.losses[r], zscore > 0 ? zscore : 6.0);
+    const std::vector<double>& losses = t.losses[r];
+    if (losses.size() > 1 && std::none_of(losses.begin(), losses.end(),
+                                          [](double l) { return std::isfinite(l); }))
+      continue;  // every sample of its batch nonfinite: the model or the rank, not a sample
+    const std::vector<size_t> bad = outlying_samples(losses, zscore > 0 ? zscore : 6.0);
     for (size_t i : bad) out.quarantine.push_back(t.ids[r][i]);
     if (bad.empty() && data)
       out.suspect.insert(out.suspect.end(), t.ids[r].begin(), t.ids[r].end());
@@ -206,6 +210,8 @@ namespace {
 // "local: culprit rank 1 (cause data)" / "global: most ranks' own values elevated (instability,
 // not data)".
 std::string scope_text(const Event& e) {
+  if (e.cause == kCauseModel)
+    return "the model: its own parameters are nonfinite (no rank's batch, no sample to blame)";
   if (e.scope == "global") {
     const int64_t elevated = elevated_ranks(e);
     if (elevated == 0 && e.local.top_params_scope != "local")
@@ -276,6 +282,13 @@ std::string guard_hint(const Event& e, const std::string& run_dir) {
     return "most ranks' own values spiked together: the model or optimizer state, not a batch; "
            "lower the learning rate, or set " +
            setting(e, "skip.on_global_spike", "\"clip\"") + " to take such steps clipped";
+  if (e.cause == kCauseModel)
+    return pytorch ? "the weights themselves are nonfinite (nothing quarantined): check the "
+                     "weights you loaded, or resume from a checkpoint saved before they went "
+                     "nonfinite"
+                   : "the weights themselves are nonfinite (nothing quarantined, nothing "
+                     "saved): check checkpoint.initial_load_path's weights, or resume from a "
+                     "checkpoint saved before they went nonfinite (checkpoint.load_step)";
   if (e.guard.rfind("skip.on_hardware_fault", 0) == 0)
     return fmt::format("drain the host of rank {} (`lockstep diag {}` lists the suspects) and run "
                        "the same command without it; exit code 5",

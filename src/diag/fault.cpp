@@ -49,6 +49,9 @@ constexpr KindInfo kKinds[] = {
     {FaultKind::kExcluded, "excluded",
      "test reference: this rank's loss x 0, the others' x W / (W - k): the run a salvage must "
      "equal"},
+    {FaultKind::kNanWeight, "nan_weight",
+     "the model: one element of the rank's first parameter is NaN after the update (ddp, "
+     "sharded)"},
 };
 
 const KindInfo* info_of(FaultKind kind) {

@@ -37,6 +37,9 @@ enum class FaultKind {
   // every other rank's by W / (W - k) (k ranks excluded at that step): the run in which this
   // rank's batch contributed nothing, built without the salvage machinery.
   kExcluded,
+  // The model itself: one element of the rank's first parameter becomes NaN after the update
+  // (as a NaN in imported weights would be). ddp and sharded (replicated parameters) only.
+  kNanWeight,
 };
 bool is_hardware_fault(FaultKind kind);
 // Faults that belong to the batch: a replay of that rank's batch, anywhere, meets them again.

@@ -88,9 +88,12 @@ void FaultInjector::on_gradients(const std::vector<NamedTensor>& grads) const {
 }
 
 void FaultInjector::after_update(const std::vector<NamedTensor>& params) const {
-  if (current_ != FaultKind::kDesync) return;
+  if (current_ != FaultKind::kDesync && current_ != FaultKind::kNanWeight) return;
   at::Tensor w = params.at(0).tensor.detach();
-  w.view({-1}).narrow(0, 0, 1).add_(1e-3);
+  if (current_ == FaultKind::kNanWeight)
+    w.view({-1}).narrow(0, 0, 1).fill_(std::numeric_limits<double>::quiet_NaN());
+  else
+    w.view({-1}).narrow(0, 0, 1).add_(1e-3);
 }
 
 }  // namespace lockstep

@@ -130,6 +130,9 @@ class DataParallel {
   // parameters (ddp, sharded: all; fsdp: none) — what diagnostics.verify_every compares.
   virtual std::vector<NamedTensor> replicated_optimizer_state() const = 0;
   virtual std::vector<NamedTensor> replicated_parameters() const { return params_; }
+  // The parameters' elements this rank holds, named (fsdp: its shard of each): what a check
+  // of the model's own values reads.
+  virtual std::vector<NamedTensor> held_parameters() const { return params_; }
   // The CRC32 of the parameters as the model computes with them (fsdp: a collective).
   virtual uint32_t parameters_crc32();
 

@@ -211,6 +211,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
   void load(CheckpointReader& reader) override;
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
   std::vector<NamedTensor> replicated_parameters() const override { return {}; }
+  std::vector<NamedTensor> held_parameters() const override;
   uint32_t parameters_crc32() override;
 
  private:
@@ -430,6 +431,22 @@ std::vector<NamedTensor> Fsdp::views_in(const Unit& x, const at::Tensor& unit_fl
     const at::Tensor& t = params_[p].tensor;
     out.push_back({params_[p].name, unit_flat.narrow(0, at_unit, t.numel()).view(t.sizes())});
     at_unit += t.numel();
+  }
+  return out;
+}
+
+// This rank's block of each unit in its master shard, cut at the parameters' bounds.
+std::vector<NamedTensor> Fsdp::held_parameters() const {
+  std::vector<NamedTensor> out;
+  for (const Unit& x : units_) {
+    const int64_t lo = rank_ * x.block, hi = lo + x.own;
+    int64_t at_unit = 0;
+    for (int p : x.params) {
+      const int64_t n = params_[p].tensor.numel();
+      const int64_t a = std::max(lo, at_unit), b = std::min(hi, at_unit + n);
+      if (a < b) out.push_back({params_[p].name, master_.narrow(0, x.shard_at + a - lo, b - a)});
+      at_unit += n;
+    }
   }
   return out;
 }

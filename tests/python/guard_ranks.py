@@ -6,7 +6,7 @@ reproduces the rest of the run, and the device path (fused AdamW, found_inf) dec
 host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
-Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, device, adagc,
+Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, nan-weight, device, adagc,
 adagc-device. Exit 0 and "ok" on success.
 """
 import gc
@@ -357,6 +357,39 @@ def agree(run_dir):
     assert guard.world == 2
 
 
+def nan_weight(run_dir):
+    """One parameter element of rank 1 turns NaN after step 4 (as a NaN in loaded weights
+    would): at step 5 every rank raises StepAborted blaming the model (rank 1's tensor named),
+    and nothing is quarantined (issue 42: it skipped into the guard and quarantined samples)."""
+    rank = dist.get_rank()
+    m = model()
+    wrapped = torch.nn.parallel.DistributedDataParallel(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    guard = lt.SkipGuard(opt, SKIP, run_dir=run_dir, model=m, ddp=wrapped)
+    train(wrapped, opt, guard, 4, rank, None, {})
+    if rank == 1:
+        with torch.no_grad():
+            m.layers[0].wq.weight.view(-1)[0] = float("nan")
+    opt.zero_grad(set_to_none=True)
+    loss, ids, losses = forward_backward(wrapped, 5, rank, None, {})
+    try:
+        guard.step(loss, sample_ids=ids, sample_losses=losses)
+        raise AssertionError(f"rank {rank}: a NaN weight was not found")
+    except lt.StepAborted as e:
+        assert "(nonfinite parameters on rank 1" in str(e) and "the model:" in str(e), str(e)
+        if rank == 1:
+            assert "layers.0.wq.weight (1 nonfinite)" in str(e), str(e)
+    del wrapped
+    gc.collect()
+    dist.barrier()
+    binary = os.environ.get("LOCKSTEP_BIN")
+    if rank == 0 and binary:
+        summary = json.loads(subprocess.run([binary, "diag", "--json", run_dir], check=True,
+                                            capture_output=True, text=True).stdout)
+        assert summary["aborts"] == 1 and summary["quarantine"] == [], summary
+        assert summary["events"][0]["cause"] == "model", summary["events"][0]
+
+
 def stall(run_dir):
     """Rank 1 stops calling guard.step after step 3: rank 0 raises StalledRank at step 4 naming
     rank 1, within comm.train_timeout_seconds (here 2 s) and a grace as long, not Gloo's 30
@@ -415,7 +448,7 @@ def main():
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
          "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse,
-         "agree": agree, "stall": stall,
+         "agree": agree, "stall": stall, "nan-weight": nan_weight,
          "adagc": adagc, "adagc-device": adagc_device}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
