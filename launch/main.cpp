@@ -278,11 +278,13 @@ void print_checkpoint_info(const nlohmann::json& info) {
   fmt::print("  step {}  optimizer_steps {}  data_position {}  tokens_seen {}\n",
              info["step"].get<int64_t>(), info["optimizer_steps"].get<int64_t>(),
              info["data_position"].get<int64_t>(), info.value("tokens_seen", int64_t{0}));
+  const std::string mode = info.value("mode", "ddp");
   fmt::print("  written by lockstep {}, world_size {}, {} optimizer state\n",
              info["lockstep_version"].get<std::string>(), info["world_size"].get<int64_t>(),
-             info.value("mode", "ddp") == "sharded" ? "sharded (one file per rank; resumable at any "
-                                                      "world size)"
-                                                    : "replicated (ddp)");
+             mode == "sharded" ? "sharded (one file per rank; resumable at any world size)"
+             : mode == "fsdp"  ? "fsdp (parameters and optimizer state in each rank's units' "
+                                 "shards; resumable at any world size, in any mode)"
+                               : "replicated (ddp)");
   const auto& m = info["config"]["model"];
   fmt::print("  model: {}\n", m.dump());
   size_t bad = 0;

@@ -139,6 +139,19 @@ def main(args):
             name = str(e.name)
             return 4 if "wandb" in name else 5 if name == "torch" else 3
         return 0
+    try:  # a side channel: when it fails, one line says so and training goes on without it
+        return follow(args)
+    except Exception as e:  # noqa: BLE001  (a full disk, a read-only or missing folder, ...)
+        what = " and ".join(n for n, on in (("TensorBoard", "--tensorboard" in args),
+                                            ("W&B", "--wandb" in args)) if on)
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"lockstep: warning: metrics sink: {what} stopped writing ({type(e).__name__}: "
+              f"{first}); training goes on without it (metrics.jsonl holds every record)",
+              file=sys.stderr, flush=True)
+        return 6
+
+
+def follow(args):
     run_dir, metrics_offset, events_offset = args[0], int(args[1]), int(args[2])
     sinks = writers(args, run_dir)
     followers = [(Follower(os.path.join(run_dir, "metrics.jsonl"), metrics_offset), False),

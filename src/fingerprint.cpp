@@ -113,6 +113,11 @@ Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
                     crc_hex(first.data(), first.size() * sizeof(int64_t)));
   }
   if (const auto tokenizer = tokenizer_path(c)) {  // a resume with another one is a data change
+    if (const int64_t bound = tokenizer_id_bound(*tokenizer); bound > c.model.vocab_size)
+      throw ConfigError(fmt::format(
+          "invalid value for 'model.vocab_size': {}, but the data's tokenizer '{}' has ids up "
+          "to {}; set model.vocab_size = {} or more",
+          c.model.vocab_size, *tokenizer, bound - 1, bound));
     const std::string bytes = fs::read_file(*tokenizer);
     f.items["data.file.tokenizer"] =
         fmt::format("{}, crc32 {}", std::filesystem::path(*tokenizer).filename().string(),

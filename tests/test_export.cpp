@@ -116,4 +116,12 @@ TEST(Generate, ContinuesThePromptReproducibly) {
   EXPECT_EQ(a.out, b.out);  // the same seed samples the same text
   const auto c = test::run_lockstep("generate " + (dir / "run") + " --tokens 24 --seed 4");
   EXPECT_EQ(c.code, 0) << c.out;
+  // The run folder without its config.toml: its checkpoint/ is found all the same (it said "no
+  // checkpoint"); an empty folder is named as holding neither (issue 42).
+  std::filesystem::remove(dir / "run/config.toml");
+  EXPECT_EQ(test::run_lockstep(cmd).out, a.out);
+  std::filesystem::create_directories(dir / "empty");
+  const auto e = test::run_lockstep("generate " + (dir / "empty") + " --tokens 4");
+  EXPECT_EQ(e.code, 3) << e.out;
+  EXPECT_NE(e.out.find("holds no checkpoint and no config.toml"), std::string::npos) << e.out;
 }

@@ -154,6 +154,41 @@ TEST(Import, RefusesAnotherArchitectureAnotherModelAndAShapeThatDiffers) {
   }
 }
 
+// Every weight is checked where it enters (issue 42): a tensor stored as integers (it was cast
+// and trained) or holding a NaN is refused naming it; a damaged file gets the advice for a
+// downloaded model, not a checkpoint's.
+TEST(Import, RefusesIntegerOrNonfiniteWeightsAndADamagedFileNamingThem) {
+  TempDir dir;
+  make_hf(dir.path(), "gpt2");
+  const std::string folder = dir / "model";
+  const std::string file = folder + "/model.safetensors";
+  const ModelConfig m = model_config_from_hf(folder);
+  const std::unique_ptr<Model> model = make_model(m, 1, c10::Device(c10::kCPU));
+  const auto rewrite = [&](const std::string& change) {
+    const auto r = test::capture(std::string(LOCKSTEP_PYTHON) +
+                                 " -c \"import torch; from safetensors.torch import load_file, "
+                                 "save_file; t = load_file('" + file + "'); " + change +
+                                 "; save_file(t, '" + file + "', metadata={'format': 'pt'})\"");
+    ASSERT_EQ(r.code, 0) << r.out;
+  };
+  const auto refused = [&](const std::string& expect) {
+    try {
+      load_hf_weights(folder, m, model->parameters());
+      ADD_FAILURE() << "accepted: " << expect;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(expect), std::string::npos) << e.what();
+    }
+  };
+  rewrite("t['transformer.h.0.ln_1.weight'][3] = float('nan')");
+  refused("tensor 'transformer.h.0.ln_1.weight' holds 1 nonfinite value;");
+  rewrite("t['transformer.h.0.ln_1.weight'] = t['transformer.h.0.ln_1.weight'].nan_to_num()"
+          ".to(torch.int32)");
+  refused("tensor 'transformer.h.0.ln_1.weight' is stored as Int; lockstep loads weights stored "
+          "as floating point");
+  std::filesystem::resize_file(file, 100);
+  refused("Hugging Face weights file '" + file + "' is corrupt or truncated");
+}
+
 // fsdp reads the folder into each unit as the model is drawn, before sharding it (the model is
 // never whole on a rank): the run is the sharded one's from the same folder, bit for bit.
 TEST(Import, FsdpStartsFromTheFolderUnitByUnit) {

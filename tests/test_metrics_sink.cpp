@@ -69,6 +69,28 @@ TEST(TensorBoard, TheEventFilesHoldEveryLoggedStepEveryValidationAndEverySkip) {
       << tb["texts"];
 }
 
+// A side channel that fails (its folder unusable: here a file stands where it must go; a full
+// or read-only disk alike) is named in one warning when it fails, without a traceback, and the
+// run trains on to its end (it printed 50 lines of Python traceback; issue 42).
+TEST(TensorBoard, AFolderItCannotWriteIsOneWarningAndTheRunGoesOn) {
+  TempDir dir;
+  std::ofstream(dir / "blocker") << "a file, not a folder\n";
+  const auto run = test::run_lockstep("train --job.dump_folder " + (dir / "run") + kRun +
+                                      " --metrics.save_tb_folder ../blocker/tb");
+  ASSERT_EQ(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("lockstep: warning: metrics sink: TensorBoard stopped writing "
+                         "(NotADirectoryError"),
+            std::string::npos)
+      << run.out;
+  EXPECT_NE(run.out.find("training goes on without it"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("Traceback"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("may be incomplete"), std::string::npos) << run.out;
+  bool ended = false;  // the run logged its last step
+  for (const auto& m : test::read_jsonl(dir / "run/metrics.jsonl"))
+    ended = ended || m.value("step", int64_t{0}) == 30;
+  EXPECT_TRUE(ended);
+}
+
 TEST(TensorBoard, APythonWithoutItIsRefusedBeforeTheRunStarts) {
   TempDir dir;
   const std::string fake = dir / "python-without-site-packages";

@@ -10,6 +10,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include "data/tokenizer.h"
 #include "run_util.h"
 
@@ -113,6 +115,46 @@ TEST(Tokenizer, AFileThatIsNotATokenizerIsRefusedNamingIt) {
             std::string::npos)
       << r.out;
   EXPECT_FALSE(std::filesystem::exists(dir / "out/train_000001.bin"));
+}
+
+// The tokenizer beside the data is read where it enters, at `train` (issue 42): one whose ids
+// reach past model.vocab_size is refused naming the key and the size to set (it used to train and
+// fail later in generate, "index out of range"), a truncated one is refused naming the file.
+TEST(Tokenizer, ATrainRefusesATokenizerBeyondTheVocabularyOrTruncated) {
+  TempDir dir;
+  make_corpus(dir.path(), 300);
+  ASSERT_EQ(test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
+                               " --tokenizer " + (dir / "tok.json") + " --val-fraction 0")
+                .code,
+            0);
+  const std::string train = "train --job.dump_folder " + (dir / "run") +
+                            " --data.source file --data.path '" + (dir / "out") +
+                            "/train_*.bin' --model.dim 32 --model.n_heads 2 --model.n_layers 1 "
+                            "--model.max_seq_len 16 --training.seq_len 8 "
+                            "--training.local_batch_size 2 --training.threads 1 "
+                            "--training.steps 2 --model.vocab_size ";
+  // An added token with id 999 (ids may be sparse): the data's ids all fit 300, its own don't.
+  nlohmann::json tok = nlohmann::json::parse(test::read_text(dir / "out/tokenizer.json"));
+  tok["added_tokens"].push_back({{"id", 999}, {"content", "<|extra|>"}, {"single_word", false},
+                                 {"lstrip", false}, {"rstrip", false}, {"normalized", false},
+                                 {"special", true}});
+  std::ofstream(dir / "out/tokenizer.json", std::ios::trunc) << tok.dump();
+  auto r = test::run_lockstep(train + "300");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("invalid value for 'model.vocab_size': 300, but the data's tokenizer '" +
+                       (dir / "out") + "/tokenizer.json' has ids up to 999; set "
+                       "model.vocab_size = 1000 or more"),
+            std::string::npos)
+      << r.out;
+  const std::string whole = test::read_text(dir / "out/tokenizer.json");
+  std::ofstream(dir / "out/tokenizer.json", std::ios::trunc) << whole.substr(0, whole.size() / 2);
+  r = test::run_lockstep(train + "300");
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("tokenizer '" + (dir / "out") + "/tokenizer.json': not a Hugging Face "
+                       "tokenizer.json"),
+            std::string::npos)
+      << r.out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "run/checkpoint")) << "it trained";
 }
 
 // A vocabulary larger than uint16 holds: uint32 tokens under llm.c's Llama 3 header, which the

@@ -30,9 +30,16 @@ std::string step_folder(const std::string& path, int64_t step) {
   if (stdfs::exists(path + "/config.toml")) {  // a run folder: where its checkpoints went
     const std::string f = load_config_file(path + "/config.toml").checkpoint.folder;
     folder = f.starts_with("/") ? f : path + "/" + f;
+  } else if (stdfs::is_directory(path + "/checkpoint")) {  // a run folder without its config:
+    folder = path + "/checkpoint";                          // checkpoint.folder's default
   }
   const Checkpointer ckpt({folder, 0});
   const auto steps = ckpt.steps();
+  if (steps.empty() && !stdfs::exists(path + "/config.toml") && folder == path)
+    throw InputError(fmt::format("'{}' holds no checkpoint and no config.toml (a run folder's, "
+                                 "naming checkpoint.folder); pass the run folder or one of its "
+                                 "checkpoint folders (checkpoint/step-N)",
+                                 path));
   if (steps.empty())
     throw InputError(fmt::format("no checkpoint in '{}'; train with checkpoint.enable = true "
                                  "(checkpoint.interval sets how often one is saved)", folder));

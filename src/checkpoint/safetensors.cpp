@@ -159,11 +159,12 @@ std::map<std::string, uint32_t> SafetensorsWriter::finish() {
   return crcs_;
 }
 
-MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
+MappedSafetensors::MappedSafetensors(const std::string& path, const std::string& kind,
+                                     const std::string& advice)
+    : path_(path) {
   auto corrupt = [&](const std::string& why) {
-    return InputError(fmt::format("checkpoint file '{}' is corrupt or truncated ({}); resume "
-                                  "from another step with checkpoint.load_step",
-                                  path, why));
+    return InputError(
+        fmt::format("{} '{}' is corrupt or truncated ({}); {}", kind, path, why, advice));
   };
   const int fd = fs::open_regular(path);
   struct stat st {};

@@ -73,8 +73,11 @@ struct TensorView {
 // read goes past its end (the file is not expected to change while it is open).
 class MappedSafetensors {
  public:
-  // Throws InputError naming `path` for anything malformed or unreadable.
-  explicit MappedSafetensors(const std::string& path);
+  // Throws InputError naming `path` (a `kind`) for anything malformed or unreadable, with
+  // `advice` (what to do: for a checkpoint, resume from another step).
+  explicit MappedSafetensors(
+      const std::string& path, const std::string& kind = "checkpoint file",
+      const std::string& advice = "resume from another step with checkpoint.load_step");
   ~MappedSafetensors();
   MappedSafetensors(const MappedSafetensors&) = delete;
   MappedSafetensors& operator=(const MappedSafetensors&) = delete;

@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
 
+#include "fsutil.h"
 #include "lockstep/error.h"
 #include "pyscript.h"
 
@@ -62,6 +64,38 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
   return run({"decode", path_, fmt::format("{}", fmt::join(ids, ","))});
+}
+
+int64_t tokenizer_id_bound(const std::string& path) {
+  const auto refuse = [&](const std::string& why) {
+    return InputError(fmt::format("tokenizer '{}': not a Hugging Face tokenizer.json ({}); pass "
+                                  "the tokenizer.json the data was encoded with",
+                                  path, why));
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(fs::read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw refuse(e.what());
+  }
+  if (!j.is_object() || !j.contains("model") || !j["model"].is_object() ||
+      !j["model"].contains("vocab"))
+    throw refuse("no model.vocab");
+  int64_t bound = 0;
+  const nlohmann::json& vocab = j["model"]["vocab"];
+  if (vocab.is_object()) {  // BPE, WordPiece, WordLevel: token -> id
+    for (const auto& [token, id] : vocab.items())
+      if (id.is_number_integer()) bound = std::max(bound, id.get<int64_t>() + 1);
+  } else if (vocab.is_array()) {  // Unigram: [token, score] pairs, the id is the position
+    bound = static_cast<int64_t>(vocab.size());
+  } else {
+    throw refuse("model.vocab is neither an object nor a list");
+  }
+  for (const auto& t : j.value("added_tokens", nlohmann::json::array()))
+    if (t.is_object() && t.contains("id") && t["id"].is_number_integer())
+      bound = std::max(bound, t["id"].get<int64_t>() + 1);
+  if (bound == 0) throw refuse("an empty vocabulary");
+  return bound;
 }
 
 std::optional<std::string> tokenizer_path(const Config& c) {

@@ -37,6 +37,11 @@ class Tokenizer {
   std::optional<int64_t> eot_;
 };
 
+// One more than the largest token id a tokenizer.json can produce (its model's vocabulary and
+// its added tokens; ids may be sparse), read with nlohmann-json alone (no Python): what
+// model.vocab_size must cover. InputError naming the file when it is not a tokenizer.json.
+int64_t tokenizer_id_bound(const std::string& path);
+
 // The tokenizer of a run's data: data.tokenizer, else a tokenizer.json in the folder of the first
 // data file (where `data shard --tokenizer` puts it); nullopt = byte-level text.
 std::optional<std::string> tokenizer_path(const Config& config);

@@ -84,7 +84,9 @@ std::string write_text_shards(const ShardOptions& o) {
                                  "(nothing there is replaced)", o.out));
   std::optional<Tokenizer> tokenizer;
   const std::vector<int64_t> tokens = shard_input(o, tokenizer);
-  const bool wide = tokenizer && tokenizer->vocab_size() > 65536;
+  // The ids' bound, not the vocabulary's count: a tokenizer's ids may be sparse.
+  const int64_t bound = tokenizer ? tokenizer_id_bound(tokenizer->path()) : 0;
+  const bool wide = bound > 65536;
   const size_t n = tokens.size();
   const size_t n_val = static_cast<size_t>(static_cast<double>(n) * o.val_fraction);
   if (n - n_val < 2 || (o.val_fraction > 0 && n_val < 2))
@@ -110,7 +112,7 @@ std::string write_text_shards(const ShardOptions& o) {
                           o.out, tokenizer->vocab_size(), wide ? "uint32" : "uint16",
                           tokenizer->end_of_text() ? "each file after the end-of-text id"
                                                    : "no end-of-text id in the vocabulary",
-                          tokenizer->vocab_size());
+                          bound);
   }
   return report;
 }

@@ -83,7 +83,8 @@ void MetricsSink::finish() {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (WIFEXITED(status) && WEXITSTATUS(status) != 0)
+  // 6: it stopped and said why in its own warning, when it happened (launch/metrics_sink.py)
+  if (WIFEXITED(status) && WEXITSTATUS(status) != 0 && WEXITSTATUS(status) != 6)
     log::warn("metrics sink exited with code {}: the TensorBoard / W&B files may be incomplete",
               WEXITSTATUS(status));
 }

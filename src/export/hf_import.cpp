@@ -2,6 +2,7 @@
 // naming the key), the safetensors' tensors renamed and laid out back (to_hf undone exactly),
 // and `lockstep import`, which prints the config a fine-tune starts from.
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/isfinite.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -151,7 +152,9 @@ HfTensors open_tensors(const std::string& dir) {
                                  dir));
   }
   for (const std::string& n : names) {
-    t.files.push_back(std::make_unique<MappedSafetensors>(dir + "/" + n));
+    t.files.push_back(std::make_unique<MappedSafetensors>(
+        dir + "/" + n, "Hugging Face weights file",
+        "save the model again with save_pretrained, or download it again"));
     for (const auto& [name, view] : t.files.back()->tensors()) t.views[name] = &view;
   }
   return t;
@@ -232,6 +235,11 @@ void load_hf_weights(const std::string& hf_dir, const ModelConfig& model,
                                    "size?",
                                    hf_dir, m.name, p.name, name_of(model.name)));
     used.insert(found);
+    if (!at::isFloatingType(v->dtype))  // an int or bool tensor would train as its values cast
+      throw InputError(fmt::format("{}: tensor '{}' is stored as {}; lockstep loads weights "
+                                   "stored as floating point (F32, F16, BF16, F64): save the "
+                                   "model's weights as floats",
+                                   hf_dir, m.name, c10::toString(v->dtype)));
     const at::Tensor x = from_layout(
         at::from_blob(const_cast<char*>(v->data), v->shape, v->dtype).to(at::kFloat), m.layout,
         size);
@@ -240,6 +248,11 @@ void load_hf_weights(const std::string& hf_dir, const ModelConfig& model,
                                    "(the config and the weights disagree)",
                                    hf_dir, m.name, fmt::join(v->shape, ", "), p.name,
                                    fmt::join(p.tensor.sizes(), ", ")));
+    if (const int64_t bad = at::isfinite(x).logical_not().sum().item<int64_t>(); bad > 0)
+      throw InputError(fmt::format("{}: tensor '{}' holds {} nonfinite value{}; lockstep does "
+                                   "not train from nonfinite weights: save or download the "
+                                   "model again",
+                                   hf_dir, m.name, bad, bad > 1 ? "s" : ""));
     p.tensor.detach().copy_(x);
   }
   for (const auto& [name, view] : t.views) {
