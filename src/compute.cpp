@@ -4,6 +4,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
 
+#include "checkpoint/safetensors.h"
 #include "data/batch.h"
 #include "runtime.h"
 #include "splitmix.h"
@@ -87,6 +88,10 @@ void check_local(Job& job, RankStep& s) {
   if (job.local_check) s.local_stats = job.local_check->run().clone();  // its buffer is reused
   else if (s.local_checked) s.local_stats = job.dp->local_stats();  // fsdp: unit by unit
   s.local_read = false;
+  // The probe compares a replay's gradient bytes with these (fsdp's own gradient is gone unit
+  // by unit: its probe compares the check's numbers only).
+  if (job.config.diagnostics.replay_every > 0 && job.local_check)
+    s.gradient_crc = static_cast<double>(tensors_crc32_value(job.dp->grads()));
 }
 
 void read_to_host(RankStep& s) {
@@ -117,7 +122,8 @@ Recompute replayer(Job& job, RankStep& s, int64_t step) {
     run_batch(job, step, batch_rank, ++computations, ids, replay);
     check_local(job, replay);
     read_to_host(replay);
-    const ReplayNumbers n{replay.loss, replay.local.sumsq, replay.local.nonfinite};
+    const ReplayNumbers n{replay.loss, replay.local.sumsq, replay.local.nonfinite,
+                          replay.gradient_crc};
     if (keep) {  // the recomputed numbers, on the host and on the device
       for (at::Tensor RankStep::*f : {&RankStep::loss_t, &RankStep::sample_losses_t,
                                       &RankStep::local_stats})

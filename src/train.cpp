@@ -11,10 +11,9 @@
 //
 // A step is issued (up to its update), then finished (its counters, progress, checkpoints) with
 // a lag: at once when the host decides (lag 0), or a step later when the device decides
-// (skip.device_decision, lag 1: the table and the decision stay on the device and a clean step
-// never waits for the host; finish reads the copied table, takes the same decision on the host
-// for the explanation and the counters, and checks the device agreed). A step whose state the
-// host needs (after_of) is finished at once either way.
+// (skip.device_decision, lag 1: a clean step never waits for the host; finish reads the copied
+// table, and the judge decides the same on the host and checks the device agreed). A step whose
+// state the host needs (after_of) is finished at once either way.
 //
 // job.cpp builds every component from the config; each component owns its algorithm.
 #include "lockstep/train.h"
@@ -39,7 +38,8 @@ namespace {
 TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
   if (!job.triager->needs_input(step)) return {};
   read_to_host(s);
-  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses};
+  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses,
+          s.gradient_crc};
 }
 
 // This rank's batch of 1-based `step`, forward and backward, then [A] its own gradient.

@@ -388,6 +388,28 @@ TEST(CauseRun, TheProbeFindsASilentCorruptionInFsdp) {
   expect_probe_finds_silent_corruption(" --parallelism.mode fsdp --model.name llama");
 }
 
+// One flipped bit on each of 8 steps, each on the rank the probe checks at that step (replay_every
+// 1: rank step mod 2 replays the other's batch): all 8 are caught, and no clean step is. The
+// probe compares the gradients' CRC32 on the CPU; a sum of squares had rounded most flips away
+// (1 of 8 caught; issue 42).
+TEST(CauseRun, TheProbeCatchesEverySingleFlippedBit) {
+  test::TempDir dir;
+  std::string faults;
+  for (int step = 10; step <= 17; ++step)  // the target of step s is rank (s + 1) mod 2
+    faults += fmt::format("{}silent_flip@{}:{}", faults.empty() ? "" : ", ", step, (step + 1) % 2);
+  auto r = run_ranks(2, dir.path(), 19,
+                     "--diagnostics.replay_every 1 --fault.inject '" + faults + "'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto events = read_jsonl(dir / "diagnostics/rank0.jsonl");
+  ASSERT_EQ(events.size(), 8u) << r.out;
+  for (size_t i = 0; i < events.size(); ++i) {
+    const int step = 10 + static_cast<int>(i);
+    EXPECT_EQ(events[i]["step"], step);
+    EXPECT_EQ(events[i]["reasons"], json::array({"replay_mismatch"})) << step;
+    EXPECT_EQ(events[i]["hardware_suspects"], json::array({(step + 1) % 2})) << step;
+  }
+}
+
 TEST(CauseRun, AHardwareFaultAbortsWithItsOwnExitCodeWhenAsked) {
   test::TempDir dir;
   auto r = run_ranks(2, dir.path(), 14,

@@ -14,12 +14,12 @@
 namespace lockstep {
 namespace {
 
-constexpr int kSlot = 4;  // computed (0/1), loss, local sumsq, local nonfinite
+constexpr int kSlot = 5;  // computed (0/1), loss, local sumsq, local nonfinite, gradient CRC32
 
 bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
 
 void put(std::vector<double>& slots, size_t slot, const ReplayNumbers& n) {
-  const double row[kSlot] = {1, n.loss, n.local_sumsq, n.local_nonfinite};
+  const double row[kSlot] = {1, n.loss, n.local_sumsq, n.local_nonfinite, n.gradient_crc};
   std::copy(row, row + kSlot, slots.begin() + static_cast<long>(slot * kSlot));
 }
 
@@ -27,7 +27,7 @@ void put(std::vector<double>& slots, size_t slot, const ReplayNumbers& n) {
 bool take(const std::vector<std::vector<double>>& all, int from, size_t slot, ReplayNumbers& n) {
   const double* q = all[from].data() + slot * kSlot;
   if (q[0] != 1) return false;
-  n = {q[1], q[2], q[3]};
+  n = {q[1], q[2], q[3], q[4]};
   return true;
 }
 
@@ -144,15 +144,20 @@ void Triager::probe(int64_t step, const std::vector<RankStats>& table, const Tri
   const int prober = static_cast<int>((step / replay_every_) % world_);
   const int target = (prober + 1) % world_;
   const SampleTable samples = exchange_samples(in.ids, in.sample_losses, comm_);
-  std::vector<double> mine(kSlot, 0.0);
+  std::vector<double> mine(2 * kSlot, 0.0);  // the prober's replay; the target's own CRC32
   const auto start = Clock::now();
   if (rank_ == prober) put(mine, 0, recompute(target, samples.ids[target], /*keep=*/false));
   else if (bystand_) bystand_();
+  if (rank_ == target) put(mine, 1, {in.mine.loss, in.mine.local_sumsq, in.mine.local_nonfinite,
+                                     in.gradient_crc});
   costs.replay += seconds_since(start);
   const auto all = all_gather_values(comm_, mine);
-  ReplayNumbers n;
+  ReplayNumbers n, first;
   take(all, prober, 0, n);
-  const bool reproduced = same(n, table[target]);
+  take(all, target, 1, first);
+  const bool exact = tolerance_ == 0 && n.gradient_crc >= 0 && first.gradient_crc >= 0;
+  const bool reproduced =
+      same(n, table[target]) && (!exact || n.gradient_crc == first.gradient_crc);
   t.replays.push_back(result_of(target, prober, reproduced, n, table[target]));
   if (reproduced || contains(t.culprits, target)) return;
   t.culprits.push_back(target);

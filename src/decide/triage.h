@@ -27,9 +27,10 @@
 
 namespace lockstep {
 
-// What a recomputation gave: the batch's loss and its local gradient check [A].
+// What a recomputation gave: the batch's loss, its local gradient check [A] and the CRC32 of
+// that gradient's bytes (-1: not taken).
 struct ReplayNumbers {
-  double loss = 0, local_sumsq = 0, local_nonfinite = 0;
+  double loss = 0, local_sumsq = 0, local_nonfinite = 0, gradient_crc = -1;
 };
 
 // Recomputes the batch of `batch_rank` at this step (its sample ids `ids`) on this rank.
@@ -43,6 +44,7 @@ struct TriageInput {
   RankStats mine;  // [A] and the loss (the shard fields are not known yet)
   std::vector<int64_t> ids;
   std::vector<double> sample_losses;
+  double gradient_crc = -1;  // RankStep::gradient_crc: the first computation's, before the sync
 };
 
 class Triager {
@@ -69,8 +71,10 @@ class Triager {
 
   // The probe at 1-based `step`: every replay_every steps rank (step / replay_every) mod W
   // recomputes the batch of the next rank and compares with that rank's numbers in `table`
-  // (after the sync). A difference skips the step and names the batch's rank as a hardware
-  // suspect. Merges into `triage`; a collective on probe steps only.
+  // (after the sync), and on the CPU (tolerance 0) the CRC32 of the two gradients' bytes too,
+  // so a single flipped bit is a difference (a sum of squares can round it away). A difference
+  // skips the step and names the batch's rank as a hardware suspect. Merges into `triage`; a
+  // collective on probe steps only.
   void probe(int64_t step, const std::vector<RankStats>& table, const TriageInput& in,
              const Recompute& recompute, Triage& triage, StepCosts& costs) const;
 

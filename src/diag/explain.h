@@ -26,6 +26,9 @@ struct RankStep {
   bool interrupted = false;    // a stop signal cut the micro-batches short (the gradient is partial)
   bool local_checked = false;  // check [A] ran (diagnostics.local_check)
   GradCheckStats local, shard;  // checks [A] (this rank's own gradient) and [B] (its shard)
+  // CRC32 of the bytes of this rank's own gradient as check [A] read them, when the probe may
+  // need it (diagnostics.replay_every: it compares a replay exactly); -1: not taken.
+  double gradient_crc = -1;
   StepCosts costs;
   // The same numbers where they were computed (fp64 on the device): a clean step reads none of
   // them on the host; read_to_host (compute.h) fills the fields above when something needs them.
