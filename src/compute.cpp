@@ -88,9 +88,12 @@ void check_local(Job& job, RankStep& s) {
   if (job.local_check) s.local_stats = job.local_check->run().clone();  // its buffer is reused
   else if (s.local_checked) s.local_stats = job.dp->local_stats();  // fsdp: unit by unit
   s.local_read = false;
-  // The probe compares a replay's gradient bytes with these (fsdp's own gradient is gone unit
-  // by unit: its probe compares the check's numbers only).
-  if (job.config.diagnostics.replay_every > 0 && job.local_check)
+  // On a probed step the probe compares a replay's gradient bytes with these: on the CPU only,
+  // where a replay reproduces bit for bit (a GPU's compares within a tolerance; fsdp's own
+  // gradient is gone unit by unit). The step being computed is the one after job.state's (the
+  // probe decides on the host).
+  if (job.config.diagnostics.replay_every > 0 && job.local_check && !job.device.is_cuda() &&
+      job.triager->needs_input(job.state.step + 1))
     s.gradient_crc = static_cast<double>(tensors_crc32_value(job.dp->grads()));
 }
 
