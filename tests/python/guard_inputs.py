@@ -53,6 +53,7 @@ def main():
     misuses(os.path.join(work, "misuses"))
     finish_checks_lengths(os.path.join(work, "lengths"))
     other_world_size()
+    unwritable_events(os.path.join(work, "unwritable"))
     print("guard inputs: ok")
 
 
@@ -145,6 +146,29 @@ def finish_checks_lengths(run_dir):
     except ValueError as e:
         assert "shard_stats: 4 values; expected 7" in str(e), str(e)
     assert not os.path.exists(os.path.join(run_dir, "diagnostics", "rank0.jsonl")), "wrote events"
+
+
+def unwritable_events(run_dir):
+    """An event file that cannot be written (here a folder stands where it goes; a full disk
+    alike) is named in one warning, once, and training goes on (it raised out of guard.step)."""
+    import logging
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    guard = lt.SkipGuard(opt, {"skip": {"enabled": True}}, run_dir=run_dir)
+    os.makedirs(os.path.join(run_dir, "diagnostics", "rank0.jsonl"))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    lt.log.addHandler(handler)
+    for _ in range(2):  # two skipped steps: two events that cannot be written
+        opt.zero_grad()
+        (model(torch.ones(2, 4)).sum() * float("nan")).backward()
+        assert guard.step(torch.tensor(float("nan"))).decision == "skip"
+    lt.log.removeHandler(handler)
+    warned = [m for m in seen if "cannot write the diagnostics events" in m]
+    assert len(warned) == 1 and "training goes on" in warned[0], seen
+    assert guard.skipped_steps == 2
 
 
 def other_world_size():
