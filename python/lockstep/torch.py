@@ -269,6 +269,7 @@ class _Pending:  # a device-decided step whose verdict the host reads a step lat
     lr: float
     tokens: int
     misuse: object  # the exchanged misuse columns, copied to the host without a wait
+    copied: object  # a CUDA event after that copy (None on a CPU): waited on before reading
 
 
 class SkipGuard:
@@ -617,7 +618,7 @@ class SkipGuard:
         whole = whole[:, :-_MISUSE_COLUMNS]
         sums, table = whole[:, len(_C.STATS_FIELDS):], whole[:, :len(_C.STATS_FIELDS)]
         self._step += 1
-        if sample_ids is not None:
+        if sample_ids is not None and not misuse[0]:
             mine.sample_ids = list(map(int, sample_ids))
             mine.sample_losses = list(map(float, sample_losses))
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -736,15 +737,20 @@ class SkipGuard:
             del self.optimizer.found_inf, self.optimizer.grad_scale
         self._advance_scheduler(True)
         verdict = Verdict(self._step, self)
+        misuse, copied = codes.to("cpu", non_blocking=True), None
+        if codes.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
         previous, self._pending = self._pending, _Pending(
-            verdict, mine, (sample_ids, sample_losses), lr, tokens,
-            codes.to("cpu", non_blocking=True))
+            verdict, mine, (sample_ids, sample_losses), lr, tokens, misuse, copied)
         self._finish_pending(previous)
         return verdict
 
     def _finish_pending(self, p):
         if p is None:
             return None
+        if p.copied is not None:  # a step later: long landed, as the table's own copy
+            p.copied.synchronize()
         self._refuse(p.misuse)
         v, table = self.core.read_device(p.verdict.step)
         self._judge_model(v)

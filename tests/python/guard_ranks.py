@@ -301,13 +301,15 @@ def misuse(run_dir):
                              skip_device_decision="on" if fused else "off")
         assert guard.on_device == fused
         train(wrapped, opt, guard, 3, rank, next(m.parameters()))
-        for step, mistake in ((4, "ids"), (5, "float")):
+        for step, mistake in ((4, "ids"), (5, "float"), (6, "no-losses")):
             opt.zero_grad(set_to_none=True)
             loss, ids, losses = forward_backward(wrapped, step, rank, None, {})
             weights = snapshot(m, opt)[:len(list(m.parameters()))]
             kwargs = {"sample_ids": ids, "sample_losses": losses}
             if rank == 1 and mistake == "ids":
                 kwargs["sample_ids"] = ids[:-1]
+            if rank == 1 and mistake == "no-losses":
+                kwargs["sample_losses"] = None
             arg = loss.item() if rank == 1 and mistake == "float" else loss
             try:
                 guard.step(arg, **kwargs)
@@ -315,7 +317,8 @@ def misuse(run_dir):
                 raise AssertionError(f"rank {rank}: {mistake} on rank 1 was accepted")
             except lt.MisuseError as e:
                 expect = {"ids": "rank 1 passed 3 sample ids and 4 sample losses",
-                          "float": "rank 1 passed a Python number as the loss"}[mistake]
+                          "float": "rank 1 passed a Python number as the loss",
+                          "no-losses": "rank 1 passed sample_ids without sample_losses"}[mistake]
                 assert str(e).startswith("lockstep guard: " + expect), str(e)
             assert bitwise_equal(weights, snapshot(m, opt)[:len(weights)]), "a misuse stepped"
         del wrapped
