@@ -180,7 +180,14 @@ void stop_all(std::vector<Worker>& ws, int sig, double grace_seconds) {
     if (!any) break;
     if (std::chrono::steady_clock::now() > deadline) {
       for (auto& w : ws)
-        if (w.running) ::kill(-w.pid, SIGKILL);
+        if (w.running) {  // said, not silent: what it was doing is lost
+          std::fprintf(stderr,
+                       "lockstep-run: worker rank %d (local rank %d, pid %d) did not stop within "
+                       "--grace-seconds %g after signal %d: killed (SIGKILL); what it had not "
+                       "saved is lost; give it longer with --grace-seconds\n",
+                       w.rank, w.local_rank, static_cast<int>(w.pid), grace_seconds, sig);
+          ::kill(-w.pid, SIGKILL);
+        }
       for (auto& w : ws)
         if (w.running) {
           ::waitpid(w.pid, &w.status, 0);

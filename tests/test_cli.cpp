@@ -394,6 +394,23 @@ TEST(LockstepRun, AFailedWorkerStopsTheOthersAndIsReported) {
   EXPECT_LT(secs, 10.0);
 }
 
+// A worker that does not stop within the grace is killed, and the launcher says so, naming it
+// (it was SIGKILLed without a word; issue 42).
+TEST(LockstepRun, AWorkerKilledAfterTheGraceIsReported) {
+  lockstep::test::TempDir dir;
+  const std::string ready = dir / "ignoring";  // rank 0 ignores SIGTERM from here on
+  CliRun r = launcher("--nproc-per-node 2 --grace-seconds 0.5 -- sh -c 'if [ \"$RANK\" = 1 ]; "
+                      "then while [ ! -e " + ready + " ]; do sleep 0.01; done; exit 3; fi; "
+                      "trap \"\" TERM; touch " + ready + "; sleep 60'");
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("lockstep-run: worker rank 0 (local rank 0, pid "), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("did not stop within --grace-seconds 0.5 after signal 15: killed "
+                       "(SIGKILL)"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(LockstepRun, RestartsAfterAFailure) {
   CliRun r = launcher(
       "--nproc-per-node 2 --max-restarts 1 -- sh -c 'if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] "
