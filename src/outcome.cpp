@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
 #include <csignal>
 
 #include "diag/verify.h"
@@ -22,15 +21,13 @@ Event explain(Job& job, const RankStep& s, const Verdict& v, const std::vector<R
 }
 
 void judge_model(Job& job, Verdict& v) {
-  if (v.nonfinite == 0 && std::isfinite(v.loss)) return;
+  if (!model_suspect(v)) return;
   const auto mine = nonfinite_tensors(job.dp->held_parameters());
-  int64_t count = 0;
-  for (const auto& [name, n] : mine) count += n;
-  std::vector<int> ranks;
-  const auto every = all_gather_values(job.comm.get(), {static_cast<double>(count)});
-  for (size_t r = 0; r < every.size(); ++r)
-    if (every[r].at(0) > 0) ranks.push_back(static_cast<int>(r));
-  if (!ranks.empty()) blame_model(v, ranks, mine);
+  double count = 0;
+  for (const auto& [name, n] : mine) count += static_cast<double>(n);
+  std::vector<double> counts;
+  for (const auto& row : all_gather_values(job.comm.get(), {count})) counts.push_back(row.at(0));
+  blame_model(v, counts, mine);
 }
 
 void abort_run(Job& job, const Event& e, const Verdict& v) {

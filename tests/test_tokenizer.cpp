@@ -48,6 +48,23 @@ std::vector<int64_t> shard_tokens(const std::string& path, int32_t* magic, int32
   return out;
 }
 
+// The corpus sharded with a BPE of 300 ids into dir/out, with no validation split.
+void shard_corpus(const TempDir& dir) {
+  make_corpus(dir.path(), 300);
+  const auto r = test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
+                                    " --from " + (dir / "b.txt") + " --tokenizer " +
+                                    (dir / "tok.json") + " --val-fraction 0");
+  ASSERT_EQ(r.code, 0) << r.out;
+}
+
+// A small `train` on those shards into dir/run; each test adds its vocabulary and steps.
+std::string small_train(const TempDir& dir) {
+  return "train --job.dump_folder " + (dir / "run") + " --data.source file --data.path '" +
+         (dir / "out") + "/train_*.bin' --model.dim 32 --model.n_heads 2 --model.n_layers 1 "
+         "--model.max_seq_len 16 --training.seq_len 8 --training.local_batch_size 2 "
+         "--training.threads 1 ";
+}
+
 }  // namespace
 
 TEST(Tokenizer, ShardsDecodeBackToTheTextsEachAfterTheEndOfTextId) {
@@ -76,18 +93,9 @@ TEST(Tokenizer, ShardsDecodeBackToTheTextsEachAfterTheEndOfTextId) {
 
 TEST(Tokenizer, ARunShowsAndGeneratesWithItAndAResumeRefusesAnother) {
   TempDir dir;
-  make_corpus(dir.path(), 300);
-  ASSERT_EQ(test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
-                               " --from " + (dir / "b.txt") + " --tokenizer " +
-                               (dir / "tok.json") + " --val-fraction 0")
-                .code,
-            0);
-  const std::string train = "train --job.dump_folder " + (dir / "run") +
-                            " --data.source file --data.path '" + (dir / "out") +
-                            "/train_*.bin' --model.vocab_size 300 --model.dim 32 "
-                            "--model.n_heads 2 --model.n_layers 1 --model.max_seq_len 16 "
-                            "--training.seq_len 8 --training.local_batch_size 2 "
-                            "--training.threads 1 --checkpoint.interval 4 --training.steps ";
+  ASSERT_NO_FATAL_FAILURE(shard_corpus(dir));
+  const std::string train =
+      small_train(dir) + "--model.vocab_size 300 --checkpoint.interval 4 --training.steps ";
   auto r = test::run_lockstep(train + "4");
   ASSERT_EQ(r.code, 0) << r.out;
   r = test::run_lockstep("data show " + (dir / "run") + " 0");
@@ -122,17 +130,8 @@ TEST(Tokenizer, AFileThatIsNotATokenizerIsRefusedNamingIt) {
 // fail later in generate, "index out of range"), a truncated one is refused naming the file.
 TEST(Tokenizer, ATrainRefusesATokenizerBeyondTheVocabularyOrTruncated) {
   TempDir dir;
-  make_corpus(dir.path(), 300);
-  ASSERT_EQ(test::run_lockstep("data shard " + (dir / "out") + " --from " + (dir / "a.txt") +
-                               " --tokenizer " + (dir / "tok.json") + " --val-fraction 0")
-                .code,
-            0);
-  const std::string train = "train --job.dump_folder " + (dir / "run") +
-                            " --data.source file --data.path '" + (dir / "out") +
-                            "/train_*.bin' --model.dim 32 --model.n_heads 2 --model.n_layers 1 "
-                            "--model.max_seq_len 16 --training.seq_len 8 "
-                            "--training.local_batch_size 2 --training.threads 1 "
-                            "--training.steps 2 --model.vocab_size ";
+  ASSERT_NO_FATAL_FAILURE(shard_corpus(dir));
+  const std::string train = small_train(dir) + "--training.steps 2 --model.vocab_size ";
   // An added token with id 999 (ids may be sparse): the data's ids all fit 300, its own don't.
   nlohmann::json tok = nlohmann::json::parse(test::read_text(dir / "out/tokenizer.json"));
   tok["added_tokens"].push_back({{"id", 999}, {"content", "<|extra|>"}, {"single_word", false},

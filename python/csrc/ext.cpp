@@ -57,14 +57,10 @@ void expect_stats(const std::optional<at::Tensor>& s, const char* what, size_t t
                                             what, s->numel(), want));
 }
 
-// [W, 9] fp64 (any device) as the rows the host decision reads.
+// [W, 9] fp64 (any device) as the rows the host decision reads (decide/exchange.h's stats_of).
 std::vector<RankStats> rows_of(const at::Tensor& table, int64_t world) {
   expect_table(table, "the stats table", world, kRankStatsDoubles);
-  const at::Tensor t = table.to(at::kCPU, at::kDouble).contiguous();
-  std::vector<RankStats> out(static_cast<size_t>(t.size(0)));
-  std::memcpy(static_cast<void*>(out.data()), t.const_data_ptr<double>(),
-              sizeof(RankStats) * out.size());
-  return out;
+  return stats_of(table.to(at::kCPU, at::kDouble).contiguous());
 }
 
 at::Tensor table_of(const std::vector<RankStats>& rows) {
@@ -375,7 +371,8 @@ void bind_functions(py::module_& m) {
         return nonfinite_tensors(named(names, tensors));
       },
       py::arg("names"), py::arg("tensors"));
-  m.def("blame_model", &blame_model, py::arg("verdict"), py::arg("ranks"), py::arg("mine"));
+  m.def("model_suspect", &model_suspect, py::arg("verdict"));
+  m.def("blame_model", &blame_model, py::arg("verdict"), py::arg("counts"), py::arg("mine"));
 
   py::class_<Check>(m, "Check")
       .def(py::init<std::vector<std::string>, int64_t, int64_t>(), py::arg("names"),

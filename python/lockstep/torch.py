@@ -15,7 +15,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import socket
 import time
@@ -137,11 +136,22 @@ def _overrides(config, overrides):
     return [(k, _text(k, v)) for k, v in pairs]
 
 
+def _inner_optimizers(optimizer):
+    """The optimizers behind `optimizer` (a container such as torchtitan's is looked through)."""
+    return getattr(optimizer, "optimizers", None) or [optimizer]
+
+
 def _adam_like(optimizer):
-    """Whether every optimizer behind `optimizer` keeps Adam's moments (a container such as
-    torchtitan's is looked through)."""
-    inner = getattr(optimizer, "optimizers", None) or [optimizer]
-    return all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW)) for o in inner)
+    """Whether every optimizer behind `optimizer` keeps Adam's moments."""
+    return all(isinstance(o, (torch.optim.Adam, torch.optim.AdamW))
+               for o in _inner_optimizers(optimizer))
+
+
+def _and_others(ranks):
+    """" (and rank 2)" / " (and ranks 2, 3)" after the first of `ranks`, or ""."""
+    if len(ranks) < 2:
+        return ""
+    return f" (and rank{'s' if len(ranks) > 2 else ''} {', '.join(map(str, ranks[1:]))})"
 
 
 def _local(t):
@@ -250,7 +260,7 @@ def _claim(optimizer, guard):
     """A step pre-hook on each optimizer behind `optimizer` that refuses a step outside
     guard.step (replacing an earlier guard's: the newest guard of an optimizer owns its step)."""
     hooks = []
-    for o in getattr(optimizer, "optimizers", None) or [optimizer]:
+    for o in _inner_optimizers(optimizer):
         if not hasattr(o, "register_step_pre_hook"):
             continue
         if getattr(o, "_lockstep_hook", None) is not None:
@@ -356,8 +366,7 @@ class SkipGuard:
         out["lr_scheduler.on_skip"] = self.config["lr_scheduler"]["on_skip"]
         out["training.max_norm"] = self.config["training"]["max_norm"]
         out["comm.train_timeout_seconds"] = self.config["comm"]["train_timeout_seconds"]
-        inner = getattr(self.optimizer, "optimizers", None) or [self.optimizer]
-        out["optimizer"] = ", ".join(type(o).__name__ for o in inner)
+        out["optimizer"] = ", ".join(type(o).__name__ for o in _inner_optimizers(self.optimizer))
         for i, group in enumerate(self.optimizer.param_groups):
             for key, value in sorted(group.items()):
                 if key != "params":
@@ -383,8 +392,8 @@ class SkipGuard:
         dist.all_gather_object(every, mine, group=self.group)
         bad = [(r, e["refused"]) for r, e in enumerate(every) if "refused" in e]
         if bad:
-            raise ConfigError(f"lockstep guard: rank {bad[0][0]}: {bad[0][1]}" + (
-                f" (and rank {', '.join(str(r) for r, _ in bad[1:])})" if len(bad) > 1 else ""))
+            raise ConfigError(f"lockstep guard: rank {bad[0][0]}: {bad[0][1]}"
+                              f"{_and_others([r for r, _ in bad])}")
         differ = []
         for key in every[0]["values"]:
             values = [e["values"].get(key) for e in every]
@@ -415,8 +424,9 @@ class SkipGuard:
         backend = ""
         if self.world > 1:
             backend = str(dist.get_backend(self.group))
-        host_exchange = "" if self.device.type != "cuda" or backend in ("", "nccl") or \
-            "cuda:nccl" in backend else f"the process group's {backend} exchanges on the host"
+        # (off a GPU the rule decides on the host whatever the exchange)
+        host_exchange = "" if backend in ("", "nccl") or "cuda:nccl" in backend else \
+            f"the process group's {backend} exchanges on the host"
         return self.core.decides_on_device(self.device.type == "cuda", host_exchange, fused)
 
     # ---- DDP: each rank's own gradient, before the all-reduce ---------------------------------
@@ -493,9 +503,7 @@ class SkipGuard:
             return
         self._local_parts = []
         r, (code, a, b) = bad[0]
-        also = f" (and rank{'s' if len(bad) > 2 else ''} {', '.join(str(x) for x, _ in bad[1:])})" \
-            if len(bad) > 1 else ""
-        raise MisuseError(f"lockstep guard: rank {r}{also} "
+        raise MisuseError(f"lockstep guard: rank {r}{_and_others([x for x, _ in bad])} "
                           f"{MISUSES[int(code)].format(a=a, b=b)}; nothing of this step was applied")
 
     def _row(self, shard, local, loss, stop, sample_losses):
@@ -643,15 +651,12 @@ class SkipGuard:
         """A step with nonfinite values, checked against the model's own parameters (each rank
         those it holds: FSDP2's shards), the counts exchanged so every rank agrees: any turns
         the verdict into an abort blaming the model, with nothing quarantined."""
-        if v.nonfinite == 0 and math.isfinite(v.loss):
+        if not _C.model_suspect(v):
             return
         mine = _C.nonfinite_tensors(self.names, [_local(p).detach() for p in self.params])
         count = torch.tensor([float(sum(n for _, n in mine))], dtype=torch.float64,
                              device=self.device)
-        every = self._exchange(count)[:, 0].tolist()
-        ranks = [r for r, c in enumerate(every) if c > 0]
-        if ranks:
-            _C.blame_model(v, ranks, mine)
+        _C.blame_model(v, self._exchange(count)[:, 0].tolist(), mine)
 
     def _in_guard_order(self, stats, params):
         """A check's buffer over `params` (those with gradients) as one over all of the guard's
@@ -787,12 +792,15 @@ class SkipGuard:
         if self.scheduler is not None:
             self._epoch = self.scheduler.last_epoch
 
+    def _say(self, message):
+        """A line every rank has alike: rank 0 says it (a warning), the others log it as debug."""
+        log.log(logging.WARNING if self.rank == 0 else logging.DEBUG, message)
+
     def _finish(self, v, table, mine, samples, lr, tokens):
         message = self.core.finish(v, table, mine, samples, lr, tokens)
         self.last_verdict = v
-        if message:
-            # Every rank writes its own event; the line is the same on all: rank 0 says it.
-            log.log(logging.WARNING if self.rank == 0 else logging.DEBUG, message)
+        if message:  # every rank writes its own event; the line is the same on all
+            self._say(message)
         if v.decision == "abort":
             raise StepAborted(message)
 
@@ -813,10 +821,9 @@ class SkipGuard:
             raise ValueError(f"guard state: not a lockstep guard state ({type(e).__name__}: {e}); "
                              "pass what guard.state_dict() returned") from None
         if saved != self.world:
-            log.log(logging.WARNING if self.rank == 0 else logging.DEBUG,
-                    f"lockstep guard: state saved by {saved} rank(s), loaded on {self.world}: the "
-                    "global windows, guards and counters carry over; each rank's own windows fill "
-                    "again")
+            self._say(f"lockstep guard: state saved by {saved} rank(s), loaded on {self.world}: "
+                      "the global windows, guards and counters carry over; each rank's own "
+                      "windows fill again")
         self._pending = None
         self._epoch = None  # a scheduler loaded with it may stand anywhere
         self.core.load_state(state["lockstep"])

@@ -3,10 +3,18 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
+
 namespace lockstep {
 
-void blame_model(Verdict& v, const std::vector<int>& ranks,
+bool model_suspect(const Verdict& v) { return v.nonfinite > 0 || !std::isfinite(v.loss); }
+
+void blame_model(Verdict& v, const std::vector<double>& counts,
                  const std::vector<std::pair<std::string, int64_t>>& mine) {
+  std::vector<int> ranks;
+  for (size_t r = 0; r < counts.size(); ++r)
+    if (counts[r] > 0) ranks.push_back(static_cast<int>(r));
+  if (ranks.empty()) return;
   std::vector<std::string> named;
   for (size_t i = 0; i < mine.size() && i < 3; ++i)
     named.push_back(fmt::format("{} ({} nonfinite)", mine[i].first, mine[i].second));

@@ -30,11 +30,15 @@
 
 namespace lockstep {
 
-// A nonfinite step whose cause is the model itself: `ranks` found nonfinite values in the
-// parameters they hold (`mine`: this rank's, by tensor). The verdict becomes an abort of global
-// scope and cause "model", blaming no rank and no sample (nothing is quarantined), its guard
-// naming the ranks and this rank's tensors.
-void blame_model(Verdict& v, const std::vector<int>& ranks,
+// Whether a decided step may be the model's own fault (a nonfinite gradient or loss): then every
+// rank counts the nonfinite values of the parameters it holds (nonfinite_tensors, check/) and
+// the counts are exchanged, so all ranks call blame_model with the same `counts`.
+bool model_suspect(const Verdict& v);
+// `counts`: every rank's count of nonfinite parameter values, in rank order (`mine`: this rank's,
+// by tensor). When any is above 0 the verdict becomes an abort of global scope and cause
+// "model", blaming no rank and no sample (nothing is quarantined), its guard naming those ranks
+// and this rank's tensors. The trainer (outcome.cpp) and the PyTorch guard call it alike.
+void blame_model(Verdict& v, const std::vector<double>& counts,
                  const std::vector<std::pair<std::string, int64_t>>& mine);
 
 class StepJudge {
