@@ -3,14 +3,64 @@
 #include <ATen/Context.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
 
 #include "checkpoint/safetensors.h"
+#include "comm/comm.h"
 #include "data/batch.h"
 #include "runtime.h"
 #include "splitmix.h"
 
 namespace lockstep {
 namespace {
+
+// Where every forward is collective (fsdp gathers with every rank), a rank may not end its batch
+// alone: the ranks vote at each micro-batch boundary, one 8-byte sum of their stop flags, and
+// stop together. On the host (Gloo, MPI) the vote is read at once (the gathers already keep the
+// ranks in step); on a GPU it is read at the next boundary, so the host never waits for the
+// device there. Every rank reads the same sum at the same boundary.
+class StopVote {
+ public:
+  StopVote(Comm* comm, bool voting) : comm_(voting ? comm : nullptr) {
+    lagged_ = comm_ != nullptr && comm_->device().is_cuda();
+  }
+  StopVote(const StopVote&) = delete;
+  StopVote& operator=(const StopVote&) = delete;
+  ~StopVote() {
+    try {
+      if (work_) work_->wait();  // left only when the batch threw: complete it, keep that error
+    } catch (...) {
+    }
+  }
+  // At the boundary before micro-batch `micro` (of `last` + 1): whether the ranks stop here.
+  bool stop(int64_t micro, int64_t last) {
+    if (comm_ == nullptr) return micro > 0 && StopSignals::received() != 0;
+    if (!lagged_) {
+      if (micro == 0) return false;
+      start();
+      return read();
+    }
+    const bool agreed = read();  // the previous boundary's vote
+    if (!agreed && micro < last) start();
+    return agreed;
+  }
+
+ private:
+  void start() {
+    flag_ = at::full({1}, StopSignals::received() != 0 ? 1.0 : 0.0, at::kDouble);
+    work_ = comm_->all_reduce_sum_async(flag_);
+  }
+  bool read() {
+    if (!work_) return false;
+    work_->wait();
+    work_.reset();
+    return flag_.item<double>() > 0;
+  }
+  Comm* comm_;
+  bool lagged_ = false;
+  at::Tensor flag_;
+  std::unique_ptr<CommWork> work_;
+};
 
 // Forward and backward of `ids` as rank `batch_rank`'s batch of `step` (in micro-batches of
 // ids.size() / gradient_accumulation_steps, in order). Faults act where bad data would: on the
@@ -24,12 +74,12 @@ void run_batch(Job& job, int64_t step, int batch_rank, int index, const std::vec
   job.faults->begin_computation(batch_rank, index);
   std::vector<at::Tensor> samples;  // on the device: no host sync on a clean step
   at::Tensor loss_sum;              // fp64, in micro-batch order
+  // A stop signal ends this rank's own batch after the micro-batch in flight (the ranks agree
+  // on it in the step's exchange: nothing of the step lands, the run stops before it); in fsdp
+  // the ranks vote on the boundary first. A replay (index > 0) runs to its end.
+  StopVote vote(job.comm.get(), index == 0 && micro_batches > 1 && job.dp->collective_forward());
   for (int64_t micro = 0; micro < micro_batches; ++micro) {
-    // A stop signal ends this rank's own batch after the micro-batch in flight (the ranks agree
-    // on it in the step's exchange: nothing of the step lands, the run stops before it).
-    // (Not where every forward is collective: fsdp's gathers with every rank.)
-    if (micro > 0 && index == 0 && StopSignals::received() != 0 &&
-        !job.dp->collective_forward()) {
+    if (index == 0 && vote.stop(micro, micro_batches - 1)) {
       out.interrupted = true;
       break;
     }
