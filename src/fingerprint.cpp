@@ -1,5 +1,6 @@
 #include "fingerprint.h"
 
+#include <ATen/Version.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/version.h>
@@ -9,11 +10,13 @@
 
 #include "checkpoint/safetensors.h"
 #include "comm/comm.h"
+#include "data/digest.h"
 #include "data/tokenizer.h"
 #include "fsutil.h"
 #include "lockstep/build_info.h"
 #include "lockstep/error.h"
 #include "lockstep/model_size.h"
+#include "lockstep/version.h"
 
 namespace lockstep {
 namespace {
@@ -25,7 +28,7 @@ constexpr std::string_view kPerRank[] = {"training.threads", "comm.store_listen_
                                          "job.description", "data.path",
                                          "validation.dataset_path", "data.exclude_ids_file",
                                          "data.readmit_ids_file"};
-constexpr int64_t kDigestTokens = 4096;  // each file's first tokens enter the fingerprint
+constexpr int64_t kDigestTokens = 4096;  // the synthetic text's first tokens enter it
 constexpr size_t kShownKeys = 6;         // differing keys named in the message
 
 std::string joined(const std::map<std::string, std::string>& items) {
@@ -92,10 +95,37 @@ nlohmann::json Fingerprint::to_json() const {
   return {{"digest", digest()}, {"items", items}};
 }
 
-Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
-                            const std::vector<int64_t>& excluded) {
+namespace {
+
+// Each file of `source` as its content: "N tokens, FORMAT, crc32 X" under PREFIX.I (not its
+// name: the same content under another name is the same data). A source that is no file (the
+// synthetic text) enters with its first tokens; its config keys make it.
+void add_files(Fingerprint& f, const std::string& prefix, const TokenSource& source,
+               DigestReads& reads) {
+  for (size_t i = 0; i < source.shards().size(); ++i) {
+    const Shard& s = source.shards()[i];
+    std::string crc;
+    if (std::filesystem::is_regular_file(s.name)) {
+      const ContentDigest d = content_digest(s.name);
+      (d.cached ? reads.cached : reads.read) += 1;
+      if (!d.cached) reads.bytes += d.bytes;
+      crc = d.crc32;
+    } else {
+      std::vector<int64_t> first(static_cast<size_t>(std::min(s.tokens, kDigestTokens)));
+      source.read(static_cast<int64_t>(i), 0, static_cast<int64_t>(first.size()), first.data());
+      crc = crc_hex(first.data(), first.size() * sizeof(int64_t));
+    }
+    f.items[fmt::format("{}.{}", prefix, i)] =
+        fmt::format("{} tokens, {}, crc32 {}", s.tokens, s.format, crc);
+  }
+}
+
+}  // namespace
+
+Fingerprint job_fingerprint(const Config& c, const JobInputs& in, DigestReads& reads) {
   Fingerprint f;
   f.items["lockstep.version"] = fmt::format("{} (LibTorch {})", LOCKSTEP_VERSION, TORCH_VERSION);
+  f.items["lockstep.build"] = build_id();
   const nlohmann::json config = nlohmann::json::parse(to_json(c));
   for (const auto& [section, keys] : config.items())
     for (const auto& [key, value] : keys.items()) {
@@ -103,28 +133,41 @@ Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
       if (std::find(std::begin(kPerRank), std::end(kPerRank), name) == std::end(kPerRank))
         f.items[name] = value.dump();
     }
-  for (size_t i = 0; i < data.shards().size(); ++i) {
-    const Shard& s = data.shards()[i];
-    std::vector<int64_t> first(static_cast<size_t>(std::min(s.tokens, kDigestTokens)));
-    data.read(static_cast<int64_t>(i), 0, static_cast<int64_t>(first.size()), first.data());
-    f.items[fmt::format("data.file.{}", i)] =
-        fmt::format("{}, {} tokens, {}, first tokens crc32 {}",
-                    std::filesystem::path(s.name).filename().string(), s.tokens, s.format,
-                    crc_hex(first.data(), first.size() * sizeof(int64_t)));
-  }
+  add_files(f, "data.file", in.data, reads);
+  if (in.validation) add_files(f, "validation.file", *in.validation, reads);
   if (const auto tokenizer = tokenizer_path(c)) {  // a resume with another one is a data change
     if (const int64_t bound = tokenizer_id_bound(*tokenizer); bound > c.model.vocab_size)
       throw ConfigError(fmt::format(
           "invalid value for 'model.vocab_size': {}, but the data's tokenizer '{}' has ids up "
           "to {}; set model.vocab_size = {} or more",
           c.model.vocab_size, *tokenizer, bound - 1, bound));
-    const std::string bytes = fs::read_file(*tokenizer);
-    f.items["data.file.tokenizer"] =
-        fmt::format("{}, crc32 {}", std::filesystem::path(*tokenizer).filename().string(),
-                    crc_hex(bytes.data(), bytes.size()));
+    f.items["data.file.tokenizer"] = fmt::format("crc32 {}", content_digest(*tokenizer).crc32);
   }
-  set_excluded_ids(f, excluded);
+  // ddp: every rank applies the update to its own replica, so what changes the update's
+  // numerics must match (sharded and fsdp: one rank updates each part, the others receive it).
+  if (c.parallelism.mode == ParallelMode::kDdp)
+    f.items["machine.numerics"] = fmt::format("ATen CPU capability {}{}", at::get_cpu_capability(),
+                                              in.gpu.empty() ? "" : ", GPU " + in.gpu);
+  set_excluded_ids(f, in.excluded);
   f.items["model.parameters"] = std::to_string(model_size(c.model).parameters);
+  return f;
+}
+
+Fingerprint weights_fingerprint(const std::string& folder, DigestReads& reads) {
+  Fingerprint f;
+  std::vector<std::filesystem::path> files;
+  for (const auto& e : std::filesystem::directory_iterator(folder))
+    if (e.is_regular_file() && (e.path().extension() == ".safetensors" ||
+                                e.path().filename() == "config.json"))
+      files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  for (const auto& file : files) {
+    const ContentDigest d = content_digest(file.string());
+    (d.cached ? reads.cached : reads.read) += 1;
+    if (!d.cached) reads.bytes += d.bytes;
+    f.items["checkpoint.initial_load_path." + file.filename().string()] =
+        fmt::format("{} bytes, crc32 {}", d.bytes, d.crc32);
+  }
   return f;
 }
 
@@ -182,7 +225,13 @@ std::vector<std::string> check_same_data(const nlohmann::json& saved, const Fing
   };
   const auto data_before = data_of(before), data_now = data_of(now.items);
   std::vector<std::string> warnings;
-  if (data_before != data_now) {
+  const bool older = std::any_of(data_before.begin(), data_before.end(), [](const auto& kv) {
+    return kv.second.find("first tokens crc32") != std::string::npos;
+  });
+  if (older)
+    warnings.push_back("resume of a checkpoint written before lockstep digested the data's "
+                       "whole content: the data files are not compared with the run's");
+  else if (data_before != data_now) {
     const std::string diff =
         job_differences({data_before, data_now}, {"in the checkpoint", "now"});
     if (!allow_data_change)
@@ -214,10 +263,17 @@ void agree_on_job(const Fingerprint& mine, Comm* comm) {
   std::vector<std::map<std::string, std::string>> every;
   for (const std::string& text : all_gather_text(comm, joined(mine.items)))
     every.push_back(parsed(text));
+  const std::string differences = job_differences(every);
+  const bool numerics = differences.find("machine.numerics") != std::string::npos;
   throw ConfigError(fmt::format(
-      "the ranks do not run the same job: {}; start every rank with the same config, data and "
-      "lockstep build (a rank may set only {} for itself)",
-      job_differences(every), fmt::join(kPerRank, ", ")));
+      "the ranks do not run the same job: {}; start every rank with the same config, data, "
+      "initial weights and lockstep binary (a rank may set only {} for itself){}",
+      differences, fmt::join(kPerRank, ", "),
+      numerics ? "; in ddp every rank updates its own replica, which diverge when the ranks "
+                 "compute differently: set ATEN_CPU_CAPABILITY to the same value (e.g. avx2) "
+                 "on every rank, use the same GPUs, or use parallelism.mode = \"sharded\" or "
+                 "\"fsdp\" (one rank updates each part)"
+               : ""));
 }
 
 }  // namespace lockstep

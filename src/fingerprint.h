@@ -1,11 +1,14 @@
 // The job's fingerprint: everything that must be the same on every rank for the decision to be
-// agreed by construction — lockstep's and LibTorch's versions, every config key but the few a
-// rank may set for itself (its own paths, threads), the data files as their content (name,
-// tokens, format, a CRC32 of their first tokens), the excluded sample ids, the model's
-// parameter count. The ranks exchange its digest once at start (one small collective, before
-// any collective whose size depends on the config); a difference stops every rank with exit
-// code 2, naming each differing key and its value on each rank. meta.json keeps it, so a resume
-// is checked against the data the run trained on, not only the paths.
+// agreed by construction — lockstep's build (its GNU build id) and LibTorch's version, every
+// config key but the few a rank may set for itself (its own paths, threads), the training and
+// validation files as their whole content (tokens, format, a CRC32 of every byte; not their
+// names), the tokenizer's, the excluded sample ids, the model's parameter count and, in ddp,
+// what changes the update's numerics (ATen's CPU capability, the GPU). The ranks exchange its
+// digest once at start (one small collective, before any collective whose size depends on the
+// config); a difference stops every rank with exit code 2, naming each differing key and its
+// value on each rank. meta.json keeps it, so a resume is checked against the data the run
+// trained on, not only the paths. A fresh start from checkpoint.initial_load_path agrees on
+// those weights the same way.
 #pragma once
 
 #include <cstdint>
@@ -28,10 +31,23 @@ struct Fingerprint {
   nlohmann::json to_json() const;            // {"digest": ..., "items": {...}}
 };
 
-// This rank's fingerprint: the config, `data` (read: the first tokens of each file), the
-// sample ids excluded (data.exclude_ids_file's, with a resumed checkpoint's).
-Fingerprint job_fingerprint(const Config& c, const TokenSource& data,
-                            const std::vector<int64_t>& excluded);
+// What the fingerprint reads besides the config.
+struct JobInputs {
+  const TokenSource& data;                 // the training data
+  const TokenSource* validation = nullptr;  // validation.dataset_path's, when validating
+  const std::vector<int64_t>& excluded;    // sample ids never drawn
+  std::string gpu;                         // the GPU's name ("" on the CPU)
+};
+// Files digested: read whole, or found in the digest cache (data/digest.h).
+struct DigestReads {
+  int64_t read = 0, cached = 0, bytes = 0;
+};
+
+// This rank's fingerprint; throws ConfigError when the data's tokenizer exceeds the vocabulary.
+Fingerprint job_fingerprint(const Config& c, const JobInputs& in, DigestReads& reads);
+// The weights a fresh start reads from `folder` (checkpoint.initial_load_path): its
+// safetensors files and config.json, as their content.
+Fingerprint weights_fingerprint(const std::string& folder, DigestReads& reads);
 // The fingerprint's excluded-ids item alone, for another list (a resume's carried one): the
 // data files are not read again.
 void set_excluded_ids(Fingerprint& f, const std::vector<int64_t>& excluded);

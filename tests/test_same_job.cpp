@@ -28,18 +28,26 @@ std::string small_job(const std::string& dir, const std::string& extra = "") {
          " --checkpoint.interval 2 --metrics.log_freq 1 " + extra;
 }
 
-// The command that runs `lockstep ARGS` on 2 ranks, rank 1 with `rank1_args` added.
-std::string with_rank1_args(const test::TempDir& dir, const std::string& args, Launcher launcher,
-                            const std::string& rank1_args) {
+// The command that runs `lockstep ARGS` on 2 ranks, rank 1 by the shell line `rank1` (which
+// passes "$@" on: `exec lockstep "$@" --more`).
+std::string with_rank1(const test::TempDir& dir, const std::string& args, Launcher launcher,
+                       const std::string& rank1) {
   const std::string wrapper = dir / "rank1.sh";
   test::write_bytes(wrapper, "#!/bin/sh\nr=${RANK:-$OMPI_COMM_WORLD_RANK}\n"
-                             "if [ \"$r\" = 1 ]; then exec " LOCKSTEP_BIN " \"$@\" " +
-                                 rank1_args + "; fi\nexec " LOCKSTEP_BIN " \"$@\"\n");
+                             "if [ \"$r\" = 1 ]; then " + rank1 + "; fi\nexec " LOCKSTEP_BIN
+                             " \"$@\"\n");
   std::filesystem::permissions(wrapper, std::filesystem::perms::owner_all);
   std::string cmd = test::launch_command(2, args, launcher);
   const std::string program = std::string(" ") + LOCKSTEP_BIN + " ";  // not lockstep-run's path
   cmd.replace(cmd.rfind(program), program.size(), " " + wrapper + " ");
   return cmd;
+}
+
+// The same with `rank1_args` added to rank 1's command line.
+std::string with_rank1_args(const test::TempDir& dir, const std::string& args, Launcher launcher,
+                            const std::string& rank1_args) {
+  return with_rank1(dir, args, launcher,
+                    std::string("exec ") + LOCKSTEP_BIN + " \"$@\" " + rank1_args);
 }
 
 void write_text_file(const std::string& path, const std::string& phrase) {
@@ -95,19 +103,20 @@ TEST(SameJob, ADataFileWithOtherContentIsNamedButTheRanksOwnPathsMayDiffer) {
   std::filesystem::create_directories(dir / "a");
   std::filesystem::create_directories(dir / "b");
   write_text_file(dir / "a/text.txt", "the quick brown fox jumps over the lazy dog. ");
-  write_text_file(dir / "b/text.txt", "the quick brown fox jumps over the lazy dog. ");
+  write_text_file(dir / "b/renamed.txt", "the quick brown fox jumps over the lazy dog. ");
   std::filesystem::create_directories(dir / "c");
   write_text_file(dir / "c/text.txt", "a completely different text, of other words. ");
   const std::string job = small_job(dir / "run", "--data.source file --data.path " + dir / "a/text.txt");
-  // The same file content under another path, and other threads: one job.
+  // The same file content under another path and name, and other threads: one job.
   const auto same = test::capture(with_rank1_args(
-      dir, job, Launcher::kLockstepRun, "--data.path " + dir / "b/text.txt --training.threads 1"));
+      dir, job, Launcher::kLockstepRun, "--data.path " + dir / "b/renamed.txt --training.threads 1"));
   EXPECT_EQ(same.code, 0) << same.out;
   const auto other = test::capture(with_rank1_args(dir, small_job(dir / "run2", "--data.source file --data.path " + dir / "a/text.txt"),
                                                    Launcher::kLockstepRun,
                                                    "--data.path " + dir / "c/text.txt"));
   EXPECT_EQ(other.code, 2) << other.out;
-  EXPECT_NE(other.out.find("data.file.0 is text.txt, "), std::string::npos) << other.out;
+  EXPECT_NE(other.out.find("data.file.0 is 180000 tokens, bytes, crc32 "), std::string::npos)
+      << other.out;
   // The fingerprint is in meta.json.
   const auto meta = nlohmann::json::parse(test::read_text(dir / "run/checkpoint/step-4/meta.json"));
   EXPECT_EQ(meta.at("fingerprint").at("digest").get<std::string>().size(), 8u);
@@ -115,26 +124,128 @@ TEST(SameJob, ADataFileWithOtherContentIsNamedButTheRanksOwnPathsMayDiffer) {
   EXPECT_FALSE(meta.at("fingerprint").at("items").contains("training.threads"));
 }
 
+// The whole file is its content (issue 42: a file whose first 4,096 tokens matched trained on
+// with exit 0), digested once and then found in the digest cache until the file is rewritten —
+// a rewrite that keeps the size and puts the old modification time back included.
 TEST(SameJob, AResumeOnDataWhoseContentChangedIsRefused) {
   test::TempDir dir;
   const std::string data = dir / "text.txt";
   write_text_file(data, "the quick brown fox jumps over the lazy dog. ");
-  const std::string job = small_job(dir / "run", "--data.source file --data.path " + data);
-  ASSERT_EQ(test::capture(std::string(LOCKSTEP_BIN) + " " + job).code, 0);
-  write_text_file(data, "the quick brown cat jumps over the lazy dog. ");  // same path and size
-  const auto refused =
-      test::capture(std::string(LOCKSTEP_BIN) + " " + job + " --training.steps 6");
+  const std::string job = "LOCKSTEP_DIGEST_CACHE=" + dir / "cache" + " " + LOCKSTEP_BIN + " " +
+                          small_job(dir / "run", "--data.source file --data.path " + data);
+  const auto first = test::capture(job);
+  ASSERT_EQ(first.code, 0) << first.out;
+  EXPECT_NE(first.out.find("data: 1 file digested (0.2 MiB read"), std::string::npos)
+      << first.out;
+  const auto again = test::capture(job + " --training.steps 5");
+  ASSERT_EQ(again.code, 0) << again.out;
+  EXPECT_NE(again.out.find("data: 1 file digested (0.0 MiB read in"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find("1 from the digest cache"), std::string::npos) << again.out;
+  // One byte near the end changes: same path, size, first tokens and modification time.
+  const auto when = std::filesystem::last_write_time(data);
+  std::string text = test::read_text(data);
+  text[text.size() - 10] = '!';
+  test::write_bytes(data, text);
+  std::filesystem::last_write_time(data, when);
+  const auto refused = test::capture(job + " --training.steps 6");
   EXPECT_EQ(refused.code, 2) << refused.out;
   EXPECT_NE(refused.out.find("resume reads other data than the run trained on"),
             std::string::npos)
       << refused.out;
-  EXPECT_NE(refused.out.find("data.file.0 is text.txt"), std::string::npos) << refused.out;
-  const auto allowed = test::capture(std::string(LOCKSTEP_BIN) + " " + job +
-                                     " --training.steps 6 --checkpoint.allow_data_change true");
+  EXPECT_NE(refused.out.find("data.file.0 is 180000 tokens, bytes, crc32 "), std::string::npos)
+      << refused.out;
+  const auto allowed =
+      test::capture(job + " --training.steps 6 --checkpoint.allow_data_change true");
   EXPECT_EQ(allowed.code, 0) << allowed.out;
   EXPECT_NE(allowed.out.find("resume with checkpoint.allow_data_change: other data"),
             std::string::npos)
       << allowed.out;
+}
+
+// What else changes results is in the fingerprint (issue 42): the validation file's content,
+// the binary (its build id: another build of the same version), and in ddp the CPU's numerics
+// (ATen's capability, which picks the optimizer's kernels: replicas diverged from step 2).
+// Each stops every rank at start naming it; sharded, where one rank updates each part, accepts
+// ranks that compute differently.
+TEST(SameJob, AnotherValidationFileBinaryOrCpuCapabilityStopsEveryRank) {
+  test::TempDir dir;
+  write_text_file(dir / "valid.txt", "the quick brown fox jumps over the lazy dog. ");
+  write_text_file(dir / "other.txt", "the quick brown cat jumps over the lazy dog. ");
+  const std::string validating =
+      "--validation.enable true --validation.freq 2 --validation.dataset_path " + dir / "valid.txt";
+  const auto valid = test::capture(with_rank1_args(
+      dir, small_job(dir / "v", validating), Launcher::kLockstepRun,
+      "--validation.dataset_path " + dir / "other.txt"));
+  EXPECT_EQ(valid.code, 2) << valid.out;
+  EXPECT_NE(valid.out.find("validation.file.0 is 180000 tokens, bytes, crc32 "), std::string::npos)
+      << valid.out;
+
+  // Another build: the same binary with one byte of its build id changed.
+  std::string binary = test::read_text(LOCKSTEP_BIN);
+  const std::string id = test::run_lockstep("version").out.substr(
+      test::run_lockstep("version").out.find("build id ") + 9, 16);
+  std::string raw;
+  for (size_t i = 0; i + 1 < id.size(); i += 2)
+    raw += static_cast<char>(std::stoi(id.substr(i, 2), nullptr, 16));
+  const size_t at = binary.find(raw);
+  ASSERT_NE(at, std::string::npos) << id;
+  binary[at] = static_cast<char>(binary[at] ^ 1);
+  test::write_bytes(dir / "lockstep-other", binary);
+  std::filesystem::permissions(dir / "lockstep-other", std::filesystem::perms::owner_all);
+  const auto build = test::capture(with_rank1(dir, small_job(dir / "b"), Launcher::kLockstepRun,
+                                              "exec " + dir / "lockstep-other" + " \"$@\""));
+  EXPECT_EQ(build.code, 2) << build.out;
+  EXPECT_NE(build.out.find("lockstep.build is " + id.substr(0, 14)), std::string::npos)
+      << build.out;
+
+  const std::string default_cpu = std::string("ATEN_CPU_CAPABILITY=default exec ") + LOCKSTEP_BIN +
+                                  " \"$@\"";
+  const auto cpu = test::capture(with_rank1(dir, small_job(dir / "c"), Launcher::kLockstepRun,
+                                            default_cpu));
+  EXPECT_EQ(cpu.code, 2) << cpu.out;
+  EXPECT_NE(cpu.out.find("machine.numerics is ATen CPU capability "), std::string::npos)
+      << cpu.out;
+  EXPECT_NE(cpu.out.find("and ATen CPU capability DEFAULT on rank 1"), std::string::npos)
+      << cpu.out;
+  EXPECT_NE(cpu.out.find("set ATEN_CPU_CAPABILITY to the same value"), std::string::npos)
+      << cpu.out;
+  const auto sharded =
+      test::capture(with_rank1(dir, small_job(dir / "s", "--parallelism.mode sharded"),
+                               Launcher::kLockstepRun, default_cpu));
+  EXPECT_EQ(sharded.code, 0) << sharded.out;
+}
+
+// checkpoint.initial_load_path is read on every rank: ranks that see other weights there (a
+// node-local copy; here a relative path from another working directory) stop at start instead
+// of training from two models (issue 42, in fsdp).
+TEST(SameJob, InitialWeightsThatDifferStopEveryRank) {
+  test::TempDir dir;
+  const std::string llama = " --model.name llama --checkpoint.interval 1 --training.steps 1";
+  for (const char* seed : {"1", "2"}) {
+    const std::string run = dir / (std::string("seed") + seed);
+    ASSERT_EQ(test::run_lockstep(small_job(run, llama + " --training.seed " + seed)).code, 0);
+    const std::string to = dir / (std::string("node") + seed);
+    std::filesystem::create_directories(to);
+    const auto exported = test::run_lockstep("export " + run + " " + to + "/weights");
+    ASSERT_EQ(exported.code, 0) << exported.out;
+  }
+  const std::string job =
+      small_job(dir / "run", llama + " --parallelism.mode fsdp --checkpoint.initial_load_path "
+                             "weights");
+  const std::string rank1 = "cd " + dir / "node2" + " && exec " + LOCKSTEP_BIN + " \"$@\"";
+  const auto other =
+      test::capture("cd " + dir / "node1" + " && " + with_rank1(dir, job, Launcher::kLockstepRun, rank1));
+  EXPECT_EQ(other.code, 2) << other.out;
+  EXPECT_NE(other.out.find("checkpoint.initial_load_path.model.safetensors is "),
+            std::string::npos)
+      << other.out;
+  EXPECT_FALSE(std::filesystem::exists(dir / "run/checkpoint")) << other.out;
+  std::filesystem::remove_all(dir / "node2/weights");
+  std::filesystem::copy(dir / "node1/weights", dir / "node2/weights");
+  const auto same =
+      test::capture("cd " + dir / "node1" + " && " + with_rank1(dir, job, Launcher::kLockstepRun, rank1));
+  EXPECT_EQ(same.code, 0) << same.out;
+  EXPECT_NE(same.out.find("initial weights: "), std::string::npos) << same.out;
 }
 
 // The ranks agree on the checkpoint they resume from (issue 42): with rank 1 seeing a stale copy

@@ -70,6 +70,8 @@ const char* safetensors_dtype(at::ScalarType t) {
   throw Error(ExitCode::kFailure, fmt::format("checkpoint: unsupported dtype {}", c10::toString(t)));
 }
 
+uint32_t crc32_of(const void* data, size_t n, uint32_t crc) { return crc32_fast(data, n, crc); }
+
 std::string crc_hex(const void* data, size_t n) {
   return fmt::format("{:08x}", crc32_fast(data, n, 0));
 }

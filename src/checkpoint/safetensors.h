@@ -106,6 +106,8 @@ const char* safetensors_dtype(at::ScalarType t);
 
 // CRC32 of bytes, as meta.json writes it ("%08x").
 std::string crc_hex(const void* data, size_t n);
+// The same as a number, continuing `crc` (a running value over bytes before these).
+uint32_t crc32_of(const void* data, size_t n, uint32_t crc = 0);
 // CRC32 over the bytes of all the tensors, in order: a cheap cross-rank fingerprint (`crc`: a
 // running value from tensors before them).
 uint32_t tensors_crc32_value(const std::vector<NamedTensor>& tensors, uint32_t crc = 0);

@@ -38,6 +38,7 @@ class Validator {
   // forward involves every rank (fsdp), so every rank runs as many as the one with the most.
   ValidationResult run(const Model& model, Comm* comm, bool collective_forward = false) const;
   std::string describe() const;
+  const TokenSource& source() const { return *source_; }  // the held-out files (fingerprint.h)
 
  private:
   const Config& config_;
