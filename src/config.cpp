@@ -235,8 +235,10 @@ void training_fields(std::vector<Field>& t) {
   t.push_back(bool_field("training", "allow_tf32", &C::training, &T::allow_tf32,
                          "CUDA: TF32 tensor cores for fp32 matrix products and convolutions"));
   t.push_back(bool_field("training", "check_memory", &C::training, &T::check_memory,
-                         "refuse to start (exit 2) when the memory plan (state, activations) "
-                         "exceeds the memory available; false: start anyway"));
+                         "refuse to start (exit 2) when the memory plan (an upper bound: state, "
+                         "activations, validation, replay) exceeds the smallest of the node's "
+                         "available memory, the job's cgroup limit less its reclaimable cache "
+                         "and the GPU's free memory; false: start anyway"));
 }
 
 void precision_fields(std::vector<Field>& t) {

@@ -193,10 +193,17 @@ void log_setup(const Job& j) {
     log::info("MFU: {:.3g} training FLOPs per token against {:g} TFLOP/s per device",
               j.model->flops_per_token(t.seq_len), j.peak_flops / 1e12);
   if (j.validator) log::info("{}", j.validator->describe());
-  const MemoryPlan plan = memory_plan(c, j.ranks.world_size);
-  log::info("memory plan per rank: {} ({} of state in {} mode, {} of activations, {} of runtime)",
+  const MemoryPlan plan = memory_plan(c, j.ranks.world_size, j.device.is_cuda());
+  log::info("memory plan per rank: up to {} ({} of state in {} mode, {} of activations{}{}, {} "
+            "of runtime)",
             bytes_text(plan.total()), bytes_text(plan.state), name_of(c.parallelism.mode),
-            bytes_text(plan.activations), bytes_text(plan.runtime));
+            bytes_text(plan.activations),
+            plan.validation > 0 ? fmt::format(", {} in a validation pass",
+                                              bytes_text(plan.validation))
+                                : "",
+            plan.replay > 0 ? fmt::format(", {} kept aside by a replay", bytes_text(plan.replay))
+                            : "",
+            bytes_text(plan.runtime));
   log::info("optimizer AdamW ({}), {}, {} steps, global batch {} x {} x {} ranks x {} tokens, "
             "run dir {}",
             j.dp->fused_optimizer() ? "fused" : "for-loop", j.dp->describe(), t.steps,

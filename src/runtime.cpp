@@ -16,6 +16,7 @@
 #include <fstream>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -53,49 +54,87 @@ double number_in(const std::string& path, const std::string& key = "") {
 
 }  // namespace
 
-double host_bytes_available() {
-  double best = number_in("/proc/meminfo", "MemAvailable:");
-  if (best >= 0) best *= 1024;  // kB
-  for (const auto& [limit, usage] :
-       {std::pair{"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"},
-        {"/sys/fs/cgroup/memory/memory.limit_in_bytes",
-         "/sys/fs/cgroup/memory/memory.usage_in_bytes"}}) {
-    const double max = number_in(limit), used = number_in(usage);
-    if (max < 0 || used < 0 || max > 1e18) continue;  // no limit
-    best = best < 0 ? max - used : std::min(best, max - used);
+namespace {
+
+// The memory cgroups this process is in, innermost first, as (folder, v2): from
+// /proc/self/cgroup's "0::/path" (v2) or "N:...memory...:/path" (v1), each with its parents up
+// to the mount (a container's namespace shows "/": the mount itself).
+std::vector<std::pair<std::string, bool>> memory_cgroups() {
+  std::vector<std::pair<std::string, bool>> out;
+  std::ifstream in("/proc/self/cgroup");
+  for (std::string line; std::getline(in, line);) {
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    const bool v2 = line.substr(0, a) == "0" && controllers.empty();
+    const bool v1 = controllers.find("memory") != std::string::npos;
+    if (!v1 && !v2) continue;
+    const std::string mount = v2 ? "/sys/fs/cgroup" : "/sys/fs/cgroup/memory";
+    std::filesystem::path path = line.substr(b + 1);
+    for (;;) {
+      out.emplace_back(mount + (path == "/" ? "" : path.string()), v2);
+      if (path == "/" || path.empty()) break;
+      path = path.parent_path();
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+MemoryLimit host_memory_limit() {
+  MemoryLimit best;
+  if (const double kb = number_in("/proc/meminfo", "MemAvailable:"); kb >= 0)
+    best = {kb * 1024, "this node's available memory (MemAvailable, reclaimable cache counted "
+                       "as free)"};
+  // Under a cgroup limit what is free is the limit less the usage that cannot be reclaimed: the
+  // page cache the usage counts (inactive files) is given back before the OOM killer runs.
+  for (const auto& [folder, v2] : memory_cgroups()) {
+    const double max = number_in(folder + (v2 ? "/memory.max" : "/memory.limit_in_bytes"));
+    const double used = number_in(folder + (v2 ? "/memory.current" : "/memory.usage_in_bytes"));
+    if (max < 0 || used < 0 || max > 1e18) continue;  // no limit, or not this cgroup's file
+    const double cache =
+        std::max(0.0, number_in(folder + "/memory.stat", v2 ? "inactive_file " : "total_inactive_file "));
+    const double free = max - std::max(0.0, used - cache);
+    if (best.bytes < 0 || free < best.bytes)
+      best = {free, fmt::format("the memory cgroup {} (limit {}, {} in use without its page cache)",
+                                folder, bytes_text(max), bytes_text(std::max(0.0, used - cache)))};
   }
   return best;
 }
 
 void check_memory_plan(const Config& c, int world, int local_ranks, c10::Device device) {
   if (!c.training.check_memory) return;
-  const MemoryPlan plan = memory_plan(c, world);
-  double need = plan.total(), have = host_bytes_available() / std::max(local_ranks, 1);
-  std::string where = local_ranks > 1 ? fmt::format("this node's share for each of its {} ranks",
-                                                    local_ranks)
-                                      : std::string("this node");
+  const MemoryPlan plan = memory_plan(c, world, device.is_cuda());
+  const MemoryLimit host = host_memory_limit();
+  double need = plan.total(), have = host.bytes / std::max(local_ranks, 1);
+  std::string where = local_ranks > 1 ? fmt::format("each of this node's {} ranks' share of {}",
+                                                    local_ranks, host.what)
+                                      : host.what;
 #ifdef LOCKSTEP_WITH_CUDA
   if (device.is_cuda()) {
     size_t free = 0, total = 0;
     const c10::cuda::CUDAGuard guard(device.index());
     if (cudaMemGetInfo(&free, &total) != cudaSuccess) return;
-    need = plan.state + plan.activations;
+    need = plan.device();
     have = static_cast<double>(free);
-    where = device_name(device) + " " + device.str();
+    where = "the free memory of " + device_name(device) + " " + device.str();
   }
-#else
-  (void)device;
 #endif
   if (have < 0 || need <= have) return;
   throw ConfigError(fmt::format(
-      "memory plan: each rank needs about {} ({} of weights, gradients and optimizer state in "
-      "{} mode on {} ranks, {} of activations at local batch {} x seq {}, {} of runtime) but {} "
-      "has {} available; use parallelism.mode = \"{}\", activation_checkpoint.mode = \"full\", "
-      "fewer model.n_layers, a smaller "
-      "training.local_batch_size (raise gradient_accumulation_steps to keep the batch) or fewer "
-      "ranks per node (training.check_memory = false starts anyway)",
+      "memory plan: each rank needs up to {} ({} of weights, gradients and optimizer state in "
+      "{} mode on {} ranks, {} of activations at local batch {} x seq {}{}{}, {} of runtime) but "
+      "{} has {}; use parallelism.mode = \"{}\", activation_checkpoint.mode = \"full\", "
+      "fewer model.n_layers, a smaller training.local_batch_size (raise "
+      "gradient_accumulation_steps to keep the batch) or fewer ranks per node "
+      "(training.check_memory = false starts anyway)",
       bytes_text(need), bytes_text(plan.state), name_of(c.parallelism.mode), world,
       bytes_text(plan.activations), c.training.local_batch_size, c.training.seq_len,
+      plan.validation > plan.activations
+          ? fmt::format(" ({} for a validation pass)", bytes_text(plan.validation))
+          : "",
+      plan.replay > 0 ? fmt::format(", {} a replay keeps aside", bytes_text(plan.replay)) : "",
       bytes_text(plan.runtime), where, bytes_text(have),
       c.model.name == ModelName::kLlama ? "fsdp" : "sharded"));  // fsdp shards llama only
 }

@@ -40,15 +40,19 @@ void check_sync_debug_mode();
 // "cpu", or the GPU's name ("NVIDIA H200").
 std::string device_name(c10::Device device);
 
-// Bytes this process may still allocate on the host: MemAvailable, or less under a cgroup
-// memory limit (v2 memory.max - memory.current, or v1's); a negative value when unknown.
-double host_bytes_available();
+// What this process may still allocate on the host, and what sets it: the smallest of the
+// node's MemAvailable and, for each memory cgroup it is in (v1 or v2, its own and every parent),
+// the limit less the usage that is not reclaimable page cache. bytes < 0 when unknown.
+struct MemoryLimit {
+  double bytes = -1;
+  std::string what;  // "the memory cgroup /sys/fs/cgroup/... (limit 2.0 GiB, ...)"
+};
+MemoryLimit host_memory_limit();
 
 // The memory plan (model_size.h) against what is available, before anything is allocated: on a
-// CPU every rank's state, activations and runtime against the host's available memory shared by
-// the node's `local_ranks`; on a GPU the state and activations against the device's free memory.
-// Over it: ConfigError (exit 2) with the numbers and the levers. training.check_memory = false
-// skips it.
+// CPU every rank's plan against host_memory_limit shared by the node's `local_ranks`; on a GPU
+// the plan without the runtime against the device's free memory. Over it: ConfigError (exit 2)
+// naming the limit, with the numbers and the levers. training.check_memory = false skips it.
 void check_memory_plan(const Config& c, int world, int local_ranks, c10::Device device);
 
 // Sets ATen's intra-op threads: `threads`, or with 0 this node's cores shared among its

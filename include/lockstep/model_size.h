@@ -47,22 +47,33 @@ int64_t largest_unit(const ModelSize& size);
 std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, int64_t blocks);
 
 // Bytes of activations one rank keeps for backward at the configured micro-batch
-// (training.local_batch_size x seq_len): per token, each layer keeps about 10 x dim + 3 x the
-// feed-forward width values (Llama: 18 x dim + 4 x the width) in the compute dtype, and the
-// output 4 x vocab fp32 values — fitted to peak resident memory measured on the CPU (GPT dim
-// 128-512, 2-8 layers, seq 64-256, and torchtitan's Llama debug model: within 20 %;
-// docs/reliability.md). A block that recomputes (activation_checkpoint) keeps its input only,
-// dim values a token, and one block's activations exist again while it recomputes.
-double activation_bytes_per_rank(const ModelSize& size, const Config& config);
+// (training.local_batch_size x seq_len), an upper bound of what the CPU and GPU runs measure:
+// per token, each layer keeps about 10 x dim + 3 x the feed-forward width values (Llama: 18 x
+// dim + 4 x the width) in the compute dtype (dropout: its masks, 2 x dim more), the output 4 x
+// vocab fp32 values; and, where attention is not fused (the CPU in bf16/fp16 or with dropout;
+// `gpu` false), each layer's B x heads x T x T scores in the precisions kept, with one layer's
+// temporaries. A block that recomputes (activation_checkpoint) keeps its input only, dim values
+// a token, and one block's activations exist again while it recomputes. Checked against the
+// measured peak across precisions, modes and dropout (docs/reliability.md).
+double activation_bytes_per_rank(const ModelSize& size, const Config& config, bool gpu);
+// What a validation pass holds at once (no backward: one layer, the logits); 0 without one.
+double validation_bytes_per_rank(const ModelSize& size, const Config& config, bool gpu);
 
 // What one rank needs, as `config check` prints it and the trainer checks before allocating.
+// Activations and a validation pass do not coexist (a pass runs between steps).
 struct MemoryPlan {
   double state = 0;        // weights, gradients, masters, moments, buffers (mode, world)
   double activations = 0;  // activation_bytes_per_rank
+  double validation = 0;   // validation_bytes_per_rank
+  double replay = 0;       // the gradient a replay keeps aside (skip.replay, replay_every)
   double runtime = 0;      // the process itself (LibTorch, threads, buffers)
-  double total() const { return state + activations + runtime; }
+  double total() const {
+    return state + (activations > validation ? activations : validation) + replay + runtime;
+  }
+  double device() const { return total() - runtime; }  // on a GPU: the runtime is the host's
 };
-MemoryPlan memory_plan(const Config& config, int64_t world);
+// `gpu`: the run computes on a GPU (fused attention there).
+MemoryPlan memory_plan(const Config& config, int64_t world, bool gpu);
 
 // "4.2 GiB", "512.0 MiB"
 std::string bytes_text(double bytes);

@@ -95,32 +95,100 @@ std::string bytes_text(double b) {
   return mib < 1024 ? fmt::format("{:.1f} MiB", mib) : fmt::format("{:.1f} GiB", mib / 1024);
 }
 
-double activation_bytes_per_rank(const ModelSize& size, const Config& c) {
+namespace {
+
+// What the allocator holds beyond the live activations: freed blocks of the step before not yet
+// reused (glibc's heap on the CPU, the caching allocator on a GPU). Measured on the CPU at up to
+// 1.2x the live bytes (docs/reliability.md); the plan is an upper bound.
+constexpr double kAllocatorMargin = 1.25;
+
+double compute_bytes(const Config& c) {
+  return c.training.mixed_precision_param == Precision::kFloat32 ? 4 : 2;
+}
+
+// Bytes per attention score (B x heads x T x T, per layer) that backward keeps, by the path
+// causal_attention takes (model.cpp): none through scaled_dot_product_attention's fused
+// kernels (a GPU; the CPU in fp32 without dropout), else softmax's fp32 output and the
+// probabilities in the compute dtype, and with dropout its mask and output as well.
+double kept_per_score(const Config& c, bool gpu) {
+  const bool fused = gpu || (compute_bytes(c) == 4 && c.model.dropout == 0);
+  return fused ? 0 : 4 + compute_bytes(c) * (c.model.dropout > 0 ? 2 : 1);
+}
+
+// The same for one layer's scores in flight (the forward's and backward's temporaries).
+double passing_per_score(const Config& c, bool gpu) {
+  return kept_per_score(c, gpu) > 0 ? 8 + 2 * compute_bytes(c) : 0;
+}
+
+double scores(const ModelSize& size, int64_t batch, int64_t seq_len) {
+  return static_cast<double>(batch * size.heads) * static_cast<double>(seq_len * seq_len);
+}
+
+}  // namespace
+
+double activation_bytes_per_rank(const ModelSize& size, const Config& c, bool gpu) {
   const double tokens = static_cast<double>(c.training.local_batch_size * c.training.seq_len);
-  const double compute = c.training.mixed_precision_param == Precision::kFloat32 ? 4 : 2;
+  // bf16/fp16 on the CPU: 2.5 bytes a value measured (some of ATen's CPU kernels keep an fp32
+  // copy of their input for backward).
+  const double compute = compute_bytes(c) == 2 && !gpu ? 2.5 : compute_bytes(c);
+  const double dim = static_cast<double>(c.model.dim);
   // Values a layer keeps per token: GPT's LayerNorms, attention and GELU MLP; Llama's RMSNorms,
-  // rotary embeddings (in fp32) and SwiGLU keep more.
+  // rotary embeddings (in fp32) and SwiGLU keep more; dropout keeps its two masks.
   const bool llama = c.model.name == ModelName::kLlama;
-  const double per_layer = (llama ? 18.0 : 10.0) * static_cast<double>(c.model.dim) +
-                           (llama ? 4.0 : 3.0) * static_cast<double>(size.ffn_hidden);
+  const double per_layer = (llama ? 18.0 : 10.0) * dim +
+                           (llama ? 4.0 : 3.0) * static_cast<double>(size.ffn_hidden) +
+                           (c.model.dropout > 0 ? 2.0 * dim : 0.0);
+  const double layer_bytes = tokens * per_layer * compute +
+                             scores(size, c.training.local_batch_size, c.training.seq_len) *
+                                 kept_per_score(c, gpu);
   // A recomputed block keeps its input only (dim values a token), and one block's activations
   // exist again while it recomputes.
   const std::vector<bool> recompute = recomputed_blocks(c.activation_checkpoint, size.layers);
-  double layers = 0;
-  for (bool r : recompute) layers += r ? static_cast<double>(c.model.dim) / per_layer : 1.0;
-  if (std::find(recompute.begin(), recompute.end(), true) != recompute.end()) layers += 1;
-  return tokens * (layers * per_layer * compute + 4.0 * static_cast<double>(c.model.vocab_size) * 4);
+  double kept = 0;
+  for (bool r : recompute) kept += r ? tokens * dim * compute : layer_bytes;
+  if (std::find(recompute.begin(), recompute.end(), true) != recompute.end()) kept += layer_bytes;
+  const double passing =
+      scores(size, c.training.local_batch_size, c.training.seq_len) * passing_per_score(c, gpu);
+  const double embedding_mask = c.model.dropout > 0 ? tokens * dim * compute : 0;
+  return kAllocatorMargin * (kept + passing + embedding_mask +
+                             tokens * 4.0 * static_cast<double>(c.model.vocab_size) * 4);
 }
 
-MemoryPlan memory_plan(const Config& c, int64_t world) {
+double validation_bytes_per_rank(const ModelSize& size, const Config& c, bool gpu) {
+  if (!c.validation.enable) return 0;
+  const int64_t batch = c.validation.local_batch_size > 0 ? c.validation.local_batch_size
+                                                          : c.training.local_batch_size;
+  const double tokens = static_cast<double>(batch * c.training.seq_len);
+  // No backward: one layer's values in flight (and its scores) and the logits with their fp32
+  // log-softmax, as training's output.
+  Config one = c;
+  one.model.dropout = 0;
+  const bool llama = c.model.name == ModelName::kLlama;
+  const double layer =
+      tokens * ((llama ? 6.0 : 4.0) * static_cast<double>(c.model.dim) +
+                (llama ? 3.0 : 2.0) * static_cast<double>(size.ffn_hidden)) *
+          compute_bytes(c) +
+      scores(size, batch, c.training.seq_len) * (kept_per_score(one, gpu) + passing_per_score(one, gpu));
+  return kAllocatorMargin * (layer + tokens * 2.0 * static_cast<double>(c.model.vocab_size) * 4);
+}
+
+MemoryPlan memory_plan(const Config& c, int64_t world, bool gpu) {
   const ModelSize s = model_size(c.model);
   constexpr double kRuntime = 160.0 * 1048576;  // LibTorch's CPU process, measured at start
-  return {state_bytes_per_rank(s, c, c.parallelism.mode, world),
-          activation_bytes_per_rank(s, c), kRuntime};
+  MemoryPlan plan;
+  plan.state = state_bytes_per_rank(s, c, c.parallelism.mode, world);
+  plan.activations = activation_bytes_per_rank(s, c, gpu);
+  plan.validation = validation_bytes_per_rank(s, c, gpu);
+  // A replay (skip.replay, diagnostics.replay_every) keeps this rank's gradient aside.
+  if (c.skip.replay != Replay::kOff || c.diagnostics.replay_every > 0)
+    plan.replay = compute_bytes(c) * static_cast<double>(s.parameters);
+  plan.runtime = kRuntime;
+  return plan;
 }
 
 std::string describe_model_size(const Config& c) {
   const ModelSize s = model_size(c.model);
+  const bool gpu = c.training.device == DeviceKind::kCuda;  // "auto": the CPU's, the larger
   std::string out = fmt::format(
       "model {}: {} parameters ({} in embeddings), {} layers, {} heads of {} ({} key/value "
       "heads), feed-forward {}\n",
@@ -143,17 +211,17 @@ std::string describe_model_size(const Config& c) {
   out += fmt::format("activations per rank at local batch {} x seq {}: {} without recomputation, "
                      "{} with activation_checkpoint.mode = \"full\" (this config: {})\n",
                      c.training.local_batch_size, c.training.seq_len,
-                     bytes_text(activation_bytes_per_rank(s, none)),
-                     bytes_text(activation_bytes_per_rank(s, full)),
-                     bytes_text(activation_bytes_per_rank(s, c)));
+                     bytes_text(activation_bytes_per_rank(s, none, gpu)),
+                     bytes_text(activation_bytes_per_rank(s, full, gpu)),
+                     bytes_text(activation_bytes_per_rank(s, c, gpu)));
   out += "per-rank total (state + activations + runtime), without / with full recomputation:\n"
          "  ranks                 ddp                 sharded                    fsdp\n";
   for (int64_t w : {8, 64}) {
     out += fmt::format("  {:>5}", w);
     for (ParallelMode m : {ParallelMode::kDdp, ParallelMode::kSharded, ParallelMode::kFsdp}) {
       none.parallelism.mode = full.parallelism.mode = m;
-      out += fmt::format(" {:>11} / {:>9}", bytes_text(memory_plan(none, w).total()),
-                         bytes_text(memory_plan(full, w).total()));
+      out += fmt::format(" {:>11} / {:>9}", bytes_text(memory_plan(none, w, gpu).total()),
+                         bytes_text(memory_plan(full, w, gpu).total()));
     }
     out += "\n";
   }
