@@ -37,7 +37,9 @@ def preflight():
              "without it one file at a time, several times slower)",
              f"run `{pip} ninja` (or apt-get install ninja-build)")
     include = sysconfig.get_paths()["include"]
-    if not os.path.exists(os.path.join(include, "Python.h")):
+    found = [d for d in [include] + os.environ.get("CPATH", "").split(":")
+             if d and os.path.exists(os.path.join(d, "Python.h"))]
+    if not found:
         need(f"{include}/Python.h is missing (this Python's C headers)",
              f"install them: apt-get install python{sys.version_info[0]}-dev (Debian, Ubuntu) or "
              f"python{sys.version_info[0]}{sys.version_info[1]}-devel")

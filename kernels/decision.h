@@ -1,5 +1,5 @@
 // The numeric core of the step decision, framework-free and written once: the host decision
-// (src/decide/detector.cpp, scope.cpp, loss_scale.cpp, the trainer's clip) calls these
+// (src/decide/detector.cpp and scope.cpp, the trainer's clip) calls these
 // functions, and kernels/decision.cu runs the same ones as a kernel on the device, so the two
 // cannot drift apart. It is what a step needs to be decided without the host: the global
 // numbers reduced in rank order, the z-scores over the rolling windows (the global ones and each
