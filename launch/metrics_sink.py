@@ -1,12 +1,14 @@
 """lockstep's metrics sink: follows a run's metrics.jsonl and rank 0's diagnostics events while
 it trains, and writes what they hold through the maintained writers: TensorBoard event files
-(torch.utils.tensorboard's SummaryWriter, into RUN_DIR/<folder>) and an offline W&B run
-(wandb, into RUN_DIR/wandb; `wandb sync` uploads it later). Rank 0 starts it (embedded in the
+(tensorboard's own EventFileWriter, into RUN_DIR/<folder>; no torch needed) and a W&B run
+(wandb, into RUN_DIR/wandb, with the resolved config; offline by default, and `wandb sync`
+uploads it later). Rank 0 starts it (embedded in the
 binary, run with $LOCKSTEP_PYTHON) with its stdin a pipe: end of input there (the run ended, or
 died) means read what is left, close the writers, exit.
 
-    python metrics_sink.py RUN_DIR METRICS_OFFSET EVENTS_OFFSET [--tensorboard FOLDER] [--wandb]
-    python metrics_sink.py --check [--tensorboard FOLDER] [--wandb]    # can the writers load?
+    python metrics_sink.py RUN_DIR METRICS_OFFSET EVENTS_OFFSET [--tensorboard FOLDER]
+        [--wandb PROJECT NAME offline|online]
+    python metrics_sink.py --check [--tensorboard FOLDER] [--wandb PROJECT NAME MODE]
 
 Per step: train/loss, train/grad_norm, train/lr, train/clip_coef, skip/skipped_steps,
 skip/clipped_steps, skip/tensor_clips, skip/moment_resets, perf/tokens_per_s, perf/mfu,
@@ -19,6 +21,7 @@ import math
 import os
 import select
 import sys
+import time
 
 SCALARS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
            "clip_coef": "train/clip_coef", "skipped_steps": "skip/skipped_steps",
@@ -82,20 +85,66 @@ class Follower:
         return out
 
 
+class Board:
+    """TensorBoard event files through tensorboard's own writer and protos (neither torch nor
+    TensorFlow): scalars, and texts as the text plugin reads them."""
+
+    def __init__(self, folder):
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+        from tensorboard.plugins.text import plugin_data_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        self.pb = (event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, plugin_data_pb2)
+        self.writer = EventFileWriter(folder) if folder else None
+
+    def add(self, value, step):
+        event_pb2, summary_pb2 = self.pb[0], self.pb[1]
+        self.writer.add_event(event_pb2.Event(step=step, wall_time=time.time(),
+                                              summary=summary_pb2.Summary(value=[value])))
+
+    def add_scalar(self, tag, v, step):
+        self.add(self.pb[1].Summary.Value(tag=tag, simple_value=v), step)
+
+    def add_text(self, tag, text, step):
+        _, summary_pb2, tensor_pb2, shape_pb2, plugin_pb2 = self.pb
+        meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name="text", content=plugin_pb2.TextPluginData(version=0).SerializeToString()))
+        tensor = tensor_pb2.TensorProto(dtype="DT_STRING", string_val=[text.encode("utf-8")],
+                                        tensor_shape=shape_pb2.TensorShapeProto(
+                                            dim=[shape_pb2.TensorShapeProto.Dim(size=1)]))
+        self.add(summary_pb2.Summary.Value(tag=tag, metadata=meta, tensor=tensor), step)
+
+    def flush(self):
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+def resolved_config(run_dir):
+    """The run's resolved config (RUN_DIR/config.toml) as a dict, for wandb.config."""
+    try:
+        import tomllib
+        with open(os.path.join(run_dir, "config.toml"), "rb") as f:
+            return tomllib.load(f)
+    except (ImportError, OSError, ValueError):
+        return {}
+
+
 def writers(args, run_dir):
     out = []
     if "--tensorboard" in args:
-        import tensorboard  # noqa: F401  (named first: torch's writer below needs it too)
-        from torch.utils.tensorboard import SummaryWriter
         folder = args[args.index("--tensorboard") + 1]
+        board = Board(os.path.join(run_dir, folder) if run_dir else None)
         if run_dir:
-            out.append(("tb", SummaryWriter(log_dir=os.path.join(run_dir, folder))))
+            out.append(("tb", board))
     if "--wandb" in args:
+        project, name, mode = args[args.index("--wandb") + 1:args.index("--wandb") + 4]
         os.environ.setdefault("WANDB_SILENT", "true")  # lockstep's log says where it goes
         import wandb
         if run_dir:
-            run = wandb.init(mode="offline", dir=run_dir, project="lockstep",
-                             name=os.path.basename(os.path.abspath(run_dir)),
+            run = wandb.init(mode=mode, dir=run_dir, project=project,
+                             name=name or os.path.basename(os.path.abspath(run_dir)),
+                             config=resolved_config(run_dir),
                              settings=wandb.Settings(console="off", x_disable_stats=True))
             out.append(("wandb", run))
     return out
@@ -132,12 +181,11 @@ def drain(followers, sinks):
 
 
 def main(args):
-    if args[0] == "--check":  # exit 3: no tensorboard, 4: no wandb, 5: no torch (its writer)
+    if args[0] == "--check":  # exit 3: no tensorboard, 4: no wandb
         try:
             writers(args, None)
         except ImportError as e:
-            name = str(e.name)
-            return 4 if "wandb" in name else 5 if name == "torch" else 3
+            return 4 if "wandb" in str(e.name) else 3
         return 0
     try:  # a side channel: when it fails, one line says so and training goes on without it
         return follow(args)

@@ -34,6 +34,8 @@ namespace lockstep {
     return kNames;                                                              \
   }
 LOCKSTEP_CHOICES(ModelName, "gpt", "llama")
+LOCKSTEP_CHOICES(RopeScaling, "none", "llama3")
+LOCKSTEP_CHOICES(WandbMode, "offline", "online")
 LOCKSTEP_CHOICES(DeviceKind, "auto", "cpu", "cuda")
 LOCKSTEP_CHOICES(OptimizerName, "AdamW")
 LOCKSTEP_CHOICES(AdamWImpl, "fused", "for-loop")
@@ -201,6 +203,25 @@ void job_and_model_fields(std::vector<Field>& t) {
                           "llama: multiplies the feed-forward width before rounding; 0 = none"));
   t.push_back(float_field("model", "rope_theta", &C::model, &ModelConfig::rope_theta, 0, true,
                           1e12, "llama: base of the rotary position embedding"));
+  t.push_back(choice_field("model", "rope_scaling", &C::model, &ModelConfig::rope_scaling,
+                           "llama: none, or llama3 = Llama 3.1's frequency scaling of the rotary "
+                           "embedding (rope_type \"llama3\" in transformers)"));
+  t.push_back(float_field("model", "rope_scaling_factor", &C::model,
+                          &ModelConfig::rope_scaling_factor, 1, false, 1e6,
+                          "llama3 rope scaling: long wavelengths are divided by this"));
+  t.push_back(float_field("model", "rope_low_freq_factor", &C::model,
+                          &ModelConfig::rope_low_freq_factor, 0, true, 1e6,
+                          "llama3 rope scaling: wavelengths beyond original / this are scaled"));
+  t.push_back(float_field("model", "rope_high_freq_factor", &C::model,
+                          &ModelConfig::rope_high_freq_factor, 0, true, 1e6,
+                          "llama3 rope scaling: wavelengths below original / this are kept; "
+                          "> rope_low_freq_factor"));
+  t.push_back(int_field("model", "rope_original_max_seq_len", &C::model,
+                        &ModelConfig::rope_original_max_seq_len, 1, 1 << 24,
+                        "llama3 rope scaling: the context the model was first trained at"));
+  t.push_back(bool_field("model", "tie_embeddings", &C::model, &ModelConfig::tie_embeddings,
+                         "llama: the output head is the token embedding (one tensor, as Llama "
+                         "3.2 1B/3B ship); gpt always ties"));
   t.push_back(int_field("model", "max_seq_len", &C::model, &ModelConfig::max_seq_len, 1, 1 << 20,
                         "positions the model can embed; >= training.seq_len"));
   t.push_back(float_field("model", "norm_eps", &C::model, &ModelConfig::norm_eps, 0, true, 1,
@@ -335,14 +356,21 @@ void checkpoint_and_data_fields(std::vector<Field>& t) {
                          &MetricsConfig::enable_tensorboard,
                          "also write the metrics, validation and every skip, clip and abort as "
                          "TensorBoard event files in job.dump_folder/save_tb_folder (rank 0, "
-                         "torch.utils.tensorboard in $LOCKSTEP_PYTHON)"));
+                         "tensorboard's writer in $LOCKSTEP_PYTHON; torch not needed)"));
   t.push_back(string_field("metrics", "save_tb_folder", &C::metrics,
                            &MetricsConfig::save_tb_folder,
                            "the TensorBoard folder, relative to job.dump_folder"));
   t.push_back(bool_field("metrics", "enable_wandb", &C::metrics, &MetricsConfig::enable_wandb,
-                         "also log the same to an offline Weights & Biases run in "
-                         "job.dump_folder/wandb (`wandb sync` uploads it; wandb in "
-                         "$LOCKSTEP_PYTHON)"));
+                         "also log the same, with the resolved config, to a Weights & Biases "
+                         "run in job.dump_folder/wandb (wandb in $LOCKSTEP_PYTHON)"));
+  t.push_back(string_field("metrics", "wandb_project", &C::metrics,
+                           &MetricsConfig::wandb_project, "the W&B project"));
+  t.push_back(string_field("metrics", "wandb_run_name", &C::metrics,
+                           &MetricsConfig::wandb_run_name,
+                           "the W&B run's name; \"\" = the run folder's name"));
+  t.push_back(choice_field("metrics", "wandb_mode", &C::metrics, &MetricsConfig::wandb_mode,
+                           "offline = files only (`wandb sync` uploads them later); online = "
+                           "uploads as it runs (needs `wandb login` or WANDB_API_KEY)"));
   t.push_back(choice_field("data", "source", &C::data, &D::source,
                            "synthetic = embedded generated corpus; file = data.path"));
   t.push_back(list_field("data", "path", &C::data, &D::path,
@@ -894,8 +922,18 @@ void validate_model(const ModelConfig& m) {
       throw ConfigError(fmt::format("invalid value for 'model.n_kv_heads': {} applies to model.name "
                                     "= \"llama\"; remove it or set model.name = \"llama\"",
                                     m.n_kv_heads));
+    if (m.rope_scaling != RopeScaling::kNone)
+      throw ConfigError("invalid value for 'model.rope_scaling': \"llama3\" scales llama's "
+                        "rotary embedding, and model.name = \"gpt\" has learned positions; "
+                        "remove it or set model.name = \"llama\"");
     return;
   }
+  if (m.rope_scaling == RopeScaling::kLlama3 && m.rope_high_freq_factor <= m.rope_low_freq_factor)
+    throw ConfigError(fmt::format(
+        "invalid value for 'model.rope_high_freq_factor': {} is not above "
+        "model.rope_low_freq_factor = {}; llama3 rope scaling smooths between them (Llama 3.1: "
+        "1 and 4)",
+        m.rope_high_freq_factor, m.rope_low_freq_factor));
   const int64_t kv = m.n_kv_heads > 0 ? m.n_kv_heads : m.n_heads;
   if (m.n_heads % kv != 0)
     throw ConfigError(fmt::format("invalid value for 'model.n_kv_heads': {} does not divide "
@@ -942,6 +980,11 @@ void validate_fsdp(const Config& c) {
         "invalid value for 'parallelism.mode': \"fsdp\" shards llama's units, and model.name = "
         "\"gpt\" ties its head to its embedding across them; use model.name = \"llama\" or "
         "parallelism.mode = \"sharded\"");
+  if (c.model.tie_embeddings)
+    throw ConfigError(
+        "invalid value for 'parallelism.mode': \"fsdp\" shards llama's units, and "
+        "model.tie_embeddings = true ties the head to the embedding across them; use "
+        "parallelism.mode = \"sharded\" (or \"ddp\")");
   for (const auto& f : parse_fault_inject(c.fault.inject))
     if (f.kind == FaultKind::kDesync || f.kind == FaultKind::kNanWeight)
       throw ConfigError(fmt::format(
@@ -1142,10 +1185,16 @@ Config load_config_file(const std::string& path, const std::vector<Override>& ov
 }
 
 std::string to_toml(const Config& c) {
+  return to_toml(c, [](std::string_view, std::string_view) { return true; });
+}
+
+std::string to_toml(const Config& c,
+                    const std::function<bool(std::string_view, std::string_view)>& keep) {
   // Keep the table's order (toml++ sorts keys), so write it section by section.
   std::ostringstream out;
   std::string section;
   for (const auto& f : fields()) {
+    if (!keep(f.section, f.key)) continue;
     if (f.section != section) {
       out << (section.empty() ? "" : "\n") << "[" << f.section << "]\n";
       section = f.section;

@@ -1,12 +1,13 @@
 """Writes a small randomly initialised Hugging Face model folder, as save_pretrained writes
 one, and what transformers computes with it: the input of `lockstep import` tests.
 
-    python tests/hf_make.py OUT_DIR gpt2|llama|llama-sharded|bert
+    python tests/hf_make.py OUT_DIR gpt2|llama|llama-sharded|llama3.2|bert
 
 OUT_DIR/model gets config.json and model.safetensors; OUT_DIR/expected.safetensors holds
 "input_ids" (2, 12) and transformers' "logits" on them (fp32, eager attention, no dropout).
 "llama-sharded" saves in 200 KB shards with model.safetensors.index.json, as large models are;
-"bert" writes a model of an architecture lockstep does not train (its refusal is tested).
+"llama3.2" has Llama 3.1's rope scaling (llama3, with an original context of 32 so that its
+head width of 16 has a kept, a blended and scaled frequencies) and tied embeddings; "bert" writes a model of an architecture lockstep does not train (its refusal is tested).
 """
 import os
 import sys
@@ -26,6 +27,16 @@ def build(kind):
                                          n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                                          attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
+    if kind == "llama3.2":  # Llama 3.1/3.2's rope scaling and a tied head, as 3.2 1B ships
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 32.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=64,
+                                          rms_norm_eps=1e-5, rope_parameters=rope,
+                                          tie_word_embeddings=True)
+        return transformers.LlamaForCausalLM(config)
     if kind.startswith("llama"):
         config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176,
                                           num_hidden_layers=2, num_attention_heads=4,

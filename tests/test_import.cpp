@@ -92,6 +92,12 @@ TEST(Import, ShardedLlamaGivesTransformersLogitsAndRoundTripsBitwise) {
   imports_as_transformers_computes("llama-sharded");
 }
 
+// Llama 3.1 / 3.2 as they ship (issue 41): rope scaling of type "llama3" (a kept, a blended and
+// scaled frequencies) and the head tied to the embedding (one tensor, stored once).
+TEST(Import, Llama32WithLlama3RopeAndTiedEmbeddingsGivesTransformersLogitsAndRoundTrips) {
+  imports_as_transformers_computes("llama3.2");
+}
+
 // A fine-tune: `lockstep import` prints the config, a run trains from the folder's weights (its
 // first loss is the imported model's, not a fresh one's), and once the run has its own
 // checkpoint a resume reads the checkpoint, not the folder (here: deleted).

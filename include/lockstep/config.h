@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <span>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -17,7 +18,9 @@
 namespace lockstep {
 
 // ---- the choices ------------------------------------------------------------------------
-enum class ModelName { kGpt, kLlama };             // GPT-2 style; Llama 3 style (torchtitan)
+enum class ModelName { kGpt, kLlama };
+enum class RopeScaling { kNone, kLlama3 };
+enum class WandbMode { kOffline, kOnline };          // llama3: Llama 3.1's long-context rule             // GPT-2 style; Llama 3 style (torchtitan)
 enum class DeviceKind { kAuto, kCpu, kCuda };       // auto = cuda when available
 enum class OptimizerName { kAdamW };
 enum class AdamWImpl { kFused, kForLoop };          // fused = ATen _fused_adamw_
@@ -45,6 +48,8 @@ enum class DeviceDecisionMode { kAuto, kOn, kOff };  // auto: on GPUs, where the
 template <typename E>
 std::span<const std::string_view> choice_names();
 template <> std::span<const std::string_view> choice_names<ModelName>();
+template <> std::span<const std::string_view> choice_names<RopeScaling>();
+template <> std::span<const std::string_view> choice_names<WandbMode>();
 template <> std::span<const std::string_view> choice_names<DeviceKind>();
 template <> std::span<const std::string_view> choice_names<OptimizerName>();
 template <> std::span<const std::string_view> choice_names<AdamWImpl>();
@@ -89,6 +94,15 @@ struct ModelConfig {
   int64_t multiple_of = 256;      // llama: the feed-forward width is rounded up to this
   double ffn_dim_multiplier = 0;  // llama: scales the feed-forward width; 0 = none
   double rope_theta = 10000;      // llama: base of the rotary position embedding
+  // llama: Llama 3.1's frequency scaling of the rotary embedding (transformers' rope_type
+  // "llama3"): wavelengths beyond original/low_freq_factor divided by factor, below
+  // original/high_freq_factor kept, smoothly between.
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_scaling_factor = 8;
+  double rope_low_freq_factor = 1;
+  double rope_high_freq_factor = 4;
+  int64_t rope_original_max_seq_len = 8192;
+  bool tie_embeddings = false;    // llama: the output head is tok_embeddings (gpt: always tied)
   int64_t max_seq_len = 128;
   double norm_eps = 1e-5;
   double dropout = 0.0;
@@ -164,6 +178,9 @@ struct MetricsConfig {
   bool enable_tensorboard = false;
   std::string save_tb_folder = "tb";
   bool enable_wandb = false;
+  std::string wandb_project = "lockstep";
+  std::string wandb_run_name;          // "" = the run folder's name
+  WandbMode wandb_mode = WandbMode::kOffline;  // online uploads as it runs (W&B login needed)
 };
 
 // Held-out loss every `freq` steps (torchtitan's names).
@@ -323,8 +340,11 @@ Config load_config_file(const std::string& path, const std::vector<Override>& ov
 // The defaults with overrides applied and validated: what `lockstep train` runs without a file.
 Config default_config(const std::vector<Override>& overrides = {});
 
-// The resolved configuration as TOML, every key present.
+// The resolved configuration as TOML, every key present; or only the keys `keep` accepts
+// (section, key), the rest left to their defaults and to what infers them.
 std::string to_toml(const Config& config);
+std::string to_toml(const Config& config,
+                    const std::function<bool(std::string_view, std::string_view)>& keep);
 // The same as a JSON object text ({"section": {"key": value}}), for checkpoints.
 std::string to_json(const Config& config);
 

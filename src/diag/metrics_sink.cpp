@@ -24,7 +24,9 @@ namespace {
 std::vector<std::string> writer_args(const MetricsConfig& m) {
   std::vector<std::string> out;
   if (m.enable_tensorboard) out.insert(out.end(), {"--tensorboard", m.save_tb_folder});
-  if (m.enable_wandb) out.push_back("--wandb");
+  if (m.enable_wandb)
+    out.insert(out.end(), {"--wandb", m.wandb_project, m.wandb_run_name,
+                           std::string(name_of(m.wandb_mode))});
   return out;
 }
 
@@ -42,7 +44,7 @@ void MetricsSink::check(const MetricsConfig& m) {
   for (const auto& a : writer_args(m)) args.push_back(a);
   const int rc = wait_script(spawn_script(embedded_metrics_sink_script(), args));
   if (rc == 0) return;
-  const char* package = rc == 3 ? "tensorboard" : rc == 5 ? "torch" : "wandb";
+  const char* package = rc == 3 ? "tensorboard" : "wandb";
   throw ConfigError(fmt::format(
       "invalid value for 'metrics.{}': {} cannot import {}; install it there ({} -m pip install "
       "{}) or set LOCKSTEP_PYTHON to a Python that has it",
@@ -64,7 +66,9 @@ std::unique_ptr<MetricsSink> MetricsSink::start(const MetricsConfig& m,
   log::info("metrics: {}{}{} (through {})",
             m.enable_tensorboard ? "TensorBoard in " + run_dir + "/" + m.save_tb_folder : "",
             m.enable_tensorboard && m.enable_wandb ? ", " : "",
-            m.enable_wandb ? "an offline W&B run in " + run_dir + "/wandb" : "", python_path());
+            m.enable_wandb ? fmt::format("an {} W&B run in {}/wandb", name_of(m.wandb_mode), run_dir)
+                           : "",
+            python_path());
   return std::unique_ptr<MetricsSink>(new MetricsSink(pid, fds[1]));
 }
 

@@ -11,6 +11,7 @@
 
 #include "checkpoint/model_loader.h"
 #include "checkpoint/safetensors.h"
+#include "data/tokenizer.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
 #include "lockstep/model_size.h"
@@ -66,7 +67,82 @@ at::Tensor rotary_to_halves(const at::Tensor& w, int64_t heads) {
   return w.view({heads, hd / 2, 2, cols}).transpose(1, 2).reshape({rows, cols});
 }
 
+// GPT-2's byte-to-character table (what a ByteLevel pre-tokenizer writes for each byte): the
+// printable bytes stand for themselves, the others for characters from U+0100 on.
+std::string byte_char(int b) {
+  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  int code = b;
+  if (!printable) {
+    int n = 0;
+    for (int x = 0; x < b; ++x)
+      if (!((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF))) ++n;
+    code = 256 + n;
+  }
+  std::string utf8;  // code < 0x800: one or two bytes
+  if (code < 0x80) utf8 += static_cast<char>(code);
+  else {
+    utf8 += static_cast<char>(0xC0 | (code >> 6));
+    utf8 += static_cast<char>(0x80 | (code & 0x3F));
+  }
+  return utf8;
+}
+
+// A tokenizer.json whose ids are the bytes of the text: what a byte-level run (the synthetic
+// text, data.format = "bytes") trained on, for transformers' tokenizers.
+nlohmann::json byte_tokenizer() {
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
+  const nlohmann::json level = {{"type", "ByteLevel"}, {"add_prefix_space", false},
+                                {"trim_offsets", false}, {"use_regex", false}};
+  return {{"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr},
+          {"added_tokens", nlohmann::json::array()}, {"normalizer", nullptr},
+          {"pre_tokenizer", level}, {"post_processor", nullptr}, {"decoder", level},
+          {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr},
+                     {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
+                     {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
+                     {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+}
+
+// The special token among `tokens` (tokenizer.json's added_tokens) with one of `names`.
+std::optional<std::pair<std::string, int64_t>> special(const nlohmann::json& tokens,
+                                                       std::initializer_list<const char*> names) {
+  for (const char* name : names)
+    for (const auto& t : tokens)
+      if (t.value("special", false) && t.value("content", "") == name)
+        return std::pair{t.at("content").get<std::string>(), t.at("id").get<int64_t>()};
+  return std::nullopt;
+}
+
 }  // namespace
+
+ExportedTokenizer write_tokenizer(const std::string& dir, const Config& run) {
+  ExportedTokenizer t;
+  nlohmann::json json;
+  if (const auto path = tokenizer_path(run)) {
+    json = nlohmann::json::parse(fs::read_file(*path));
+    t.what = "tokenizer.json (the run's " + *path + ")";
+  } else if (run.model.vocab_size == 256) {
+    json = byte_tokenizer();
+    t.what = "tokenizer.json (byte-level: the run's ids are bytes)";
+  } else {
+    t.what = "no tokenizer (the run's data has none beside it; data.tokenizer names one)";
+    return t;
+  }
+  const nlohmann::json tokens = json.value("added_tokens", nlohmann::json::array());
+  const auto eos = special(tokens, {"<|endoftext|>", "<|end_of_text|>", "</s>", "<|eot_id|>",
+                                    "<eos>", "<|im_end|>"});
+  auto bos = special(tokens, {"<|begin_of_text|>", "<s>", "<bos>"});
+  if (!bos) bos = eos;  // GPT-2's convention: one token begins and ends a text
+  nlohmann::json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                           {"model_max_length", run.model.max_seq_len},
+                           {"clean_up_tokenization_spaces", false}};
+  if (bos) config["bos_token"] = bos->first, t.bos = bos->second;
+  if (eos) config["eos_token"] = eos->first, t.eos = eos->second;
+  if (const auto unk = special(tokens, {"[UNK]", "<unk>"})) config["unk_token"] = unk->first;
+  fs::write_file_synced(dir + "/tokenizer.json", json.dump() + "\n");
+  fs::write_file_synced(dir + "/tokenizer_config.json", config.dump(2) + "\n");
+  return t;
+}
 
 Mapped hf_name(const ModelConfig& model, const std::string& name) {
   return model.name == ModelName::kGpt ? gpt_name(name) : llama_name(name);
@@ -86,13 +162,14 @@ std::vector<NamedTensor> to_hf(const ModelConfig& model, const std::vector<Named
   return out;
 }
 
-nlohmann::json hf_config(const ModelConfig& m) {
+nlohmann::json hf_config(const ModelConfig& m, const ExportedTokenizer& tokens) {
   const ModelSize size = model_size(m);
+  const auto id = [](const std::optional<int64_t>& v) { return v ? nlohmann::json(*v) : nullptr; };
   nlohmann::json c = {{"vocab_size", m.vocab_size},
                       {"initializer_range", m.init_std},
                       {"dtype", "float32"},
-                      {"bos_token_id", nullptr},
-                      {"eos_token_id", nullptr},
+                      {"bos_token_id", id(tokens.bos)},
+                      {"eos_token_id", id(tokens.eos)},
                       {"use_cache", true}};
   if (m.name == ModelName::kGpt) {
     c.update({{"architectures", {"GPT2LMHeadModel"}}, {"model_type", "gpt2"},
@@ -111,7 +188,16 @@ nlohmann::json hf_config(const ModelConfig& m) {
               {"rope_theta", m.rope_theta},
               {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", m.rope_theta}}},
               {"hidden_act", "silu"}, {"attention_bias", false}, {"mlp_bias", false},
-              {"attention_dropout", m.dropout}, {"tie_word_embeddings", false}});
+              {"attention_dropout", m.dropout}, {"tie_word_embeddings", m.tie_embeddings}});
+    if (m.rope_scaling == RopeScaling::kLlama3) {  // both spellings: transformers 4.x and 5.x
+      const nlohmann::json r = {{"rope_type", "llama3"},
+                                {"factor", m.rope_scaling_factor},
+                                {"low_freq_factor", m.rope_low_freq_factor},
+                                {"high_freq_factor", m.rope_high_freq_factor},
+                                {"original_max_position_embeddings", m.rope_original_max_seq_len}};
+      c["rope_scaling"] = r;
+      c["rope_parameters"].update(r);
+    }
   }
   return c;
 }
@@ -127,10 +213,18 @@ std::string export_checkpoint(const std::string& path, int64_t step, const std::
   const std::vector<NamedTensor> tensors = to_hf(ckpt.config.model, ckpt.model->parameters());
   // Written aside, then renamed: OUT appears whole or not at all.
   const std::string tmp = fmt::format("{}.tmp-{}", out, ::getpid());
+  std::string tokenizer;
   fs::remove_all(tmp);
   fs::make_dirs(tmp);
   try {
-    fs::write_file_synced(tmp + "/config.json", hf_config(ckpt.config.model).dump(2) + "\n");
+    const ExportedTokenizer tokens = write_tokenizer(tmp, ckpt.config);
+    tokenizer = tokens.what;
+    const nlohmann::json config = hf_config(ckpt.config.model, tokens);
+    fs::write_file_synced(tmp + "/config.json", config.dump(2) + "\n");
+    fs::write_file_synced(tmp + "/generation_config.json",
+                          nlohmann::json{{"bos_token_id", config["bos_token_id"]},
+                                         {"eos_token_id", config["eos_token_id"]}}
+                                  .dump(2) + "\n");
     SafetensorsWriter w(tmp + "/model.safetensors", to_write(tensors),
                         {{"format", "pt"}, {"lockstep_checkpoint", ckpt.dir},
                          {"lockstep_step", std::to_string(ckpt.step)}});
@@ -144,9 +238,9 @@ std::string export_checkpoint(const std::string& path, int64_t step, const std::
     throw;
   }
   return fmt::format("exported {} (step {}, {} model, {} tensors) to {} in Hugging Face layout "
-                     "(config.json, model.safetensors)",
+                     "(config.json, generation_config.json, model.safetensors; {})",
                      ckpt.dir, ckpt.step, ckpt.config.model.name == ModelName::kGpt ? "gpt" : "llama",
-                     tensors.size(), out);
+                     tensors.size(), out, tokenizer);
 }
 
 }  // namespace lockstep

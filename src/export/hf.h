@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,14 +29,23 @@ Mapped hf_name(const ModelConfig& model, const std::string& name);
 // Contiguous fp32 CPU tensors, in the same order.
 std::vector<NamedTensor> to_hf(const ModelConfig& model, const std::vector<NamedTensor>& tensors);
 
-// config.json for `model`.
-nlohmann::json hf_config(const ModelConfig& model);
+// The run's tokenizer written for transformers into `dir`: tokenizer.json (the run's own, or a
+// byte-level one when its ids are bytes: vocabulary 256, no tokenizer) and tokenizer_config.json
+// naming its special tokens; their ids for config.json and generation_config.json.
+struct ExportedTokenizer {
+  std::optional<int64_t> bos, eos;
+  std::string what;  // what was written, for the export's line
+};
+ExportedTokenizer write_tokenizer(const std::string& dir, const Config& run);
+
+// config.json for `model`, with the tokenizer's bos and eos ids (null without them).
+nlohmann::json hf_config(const ModelConfig& model, const ExportedTokenizer& tokens = {});
 
 // ---- the other way (hf_import.cpp): a Hugging Face folder into lockstep's model -------------
 
 // lockstep's model config from a folder's config.json (GPT2LMHeadModel or LlamaForCausalLM).
 // InputError naming the file and the key for anything lockstep's models cannot hold (another
-// architecture, tied Llama embeddings, rope scaling, biases, another activation).
+// architecture, a rope scaling other than Llama 3.1's, biases, another activation).
 ModelConfig model_config_from_hf(const std::string& hf_dir);
 
 // A run's [model] against the folder's: InputError naming the first key that differs and the

@@ -110,13 +110,21 @@ ModelConfig llama_config(const nlohmann::json& c, const std::string& path) {
   const nlohmann::json rope = c.value("rope_parameters", nlohmann::json::object());
   m.rope_theta = key_of<double>(c, "rope_theta", path,
                                 rope.is_object() ? rope.value("rope_theta", 10000.0) : 10000.0);
-  for (const nlohmann::json& r : {c.value("rope_scaling", nlohmann::json()), rope})
-    if (r.is_object() && r.value("rope_type", r.value("type", "default")) != "default")
-      cannot_hold(path, fmt::format("rope scaling '{}'", r.value("rope_type", r.value("type", ""))));
+  for (const nlohmann::json& r : {c.value("rope_scaling", nlohmann::json()), rope}) {
+    if (!r.is_object()) continue;
+    const std::string type = r.value("rope_type", r.value("type", "default"));
+    if (type == "default") continue;
+    if (type != "llama3")
+      cannot_hold(path, fmt::format("rope scaling '{}' (lockstep has Llama 3.1's 'llama3')", type));
+    m.rope_scaling = RopeScaling::kLlama3;
+    m.rope_scaling_factor = key_of<double>(r, "factor", path);
+    m.rope_low_freq_factor = key_of<double>(r, "low_freq_factor", path);
+    m.rope_high_freq_factor = key_of<double>(r, "high_freq_factor", path);
+    m.rope_original_max_seq_len = key_of<int64_t>(r, "original_max_position_embeddings", path);
+  }
   if (key_of<int64_t>(c, "head_dim", path, m.dim / m.n_heads) * m.n_heads != m.dim)
     cannot_hold(path, "head_dim x num_attention_heads != hidden_size");
-  if (key_of<bool>(c, "tie_word_embeddings", path, false))
-    cannot_hold(path, "tie_word_embeddings = true (lockstep's Llama has its own output head)");
+  m.tie_embeddings = key_of<bool>(c, "tie_word_embeddings", path, false);
   for (const char* bias : {"attention_bias", "mlp_bias"})
     if (key_of<bool>(c, bias, path, false)) cannot_hold(path, fmt::format("{} = true", bias));
   const std::string act = key_of<std::string>(c, "hidden_act", path, "silu");
@@ -213,7 +221,15 @@ void check_same_model(const ModelConfig& run, const ModelConfig& hf, const std::
       {gpt ? "model.mlp_ratio" : "model.multiple_of", a.ffn_hidden, b.ffn_hidden},
       {"model.max_seq_len", gpt ? run.max_seq_len : 0, gpt ? hf.max_seq_len : 0},
       {"model.norm_eps", run.norm_eps, hf.norm_eps},
-      {"model.rope_theta", gpt ? 0 : run.rope_theta, gpt ? 0 : hf.rope_theta}};
+      {"model.rope_theta", gpt ? 0 : run.rope_theta, gpt ? 0 : hf.rope_theta},
+      {"model.rope_scaling", static_cast<double>(run.rope_scaling),
+       static_cast<double>(hf.rope_scaling)},
+      {"model.rope_scaling_factor", run.rope_scaling_factor, hf.rope_scaling_factor},
+      {"model.rope_low_freq_factor", run.rope_low_freq_factor, hf.rope_low_freq_factor},
+      {"model.rope_high_freq_factor", run.rope_high_freq_factor, hf.rope_high_freq_factor},
+      {"model.rope_original_max_seq_len", static_cast<double>(run.rope_original_max_seq_len),
+       static_cast<double>(hf.rope_original_max_seq_len)},
+      {"model.tie_embeddings", gpt ? 0.0 : run.tie_embeddings, gpt ? 0.0 : hf.tie_embeddings}};
   for (const auto& [key, mine, theirs] : keys)
     if (mine != theirs)
       throw ConfigError(fmt::format(
@@ -272,8 +288,17 @@ std::string import_hf(const std::string& hf_dir) {
   c.model = model_config_from_hf(hf_dir);
   c.checkpoint.initial_load_path = std::filesystem::absolute(hf_dir).lexically_normal().string();
   c.job.description = "fine-tune of " + c.checkpoint.initial_load_path;
+  // A run folder of its own (a second fine-tune never meets the first one's checkpoints).
+  c.job.dump_folder =
+      "./outputs/finetune-" + std::filesystem::path(c.checkpoint.initial_load_path).filename().string();
   c.training.seq_len = std::min(c.training.seq_len, c.model.max_seq_len);
-  const std::string toml = to_toml(c);
+  // Only what the folder decides: the data, validation and the rest stay to be set (and
+  // inferred: --data.path means file data) on the command line or below.
+  const std::string toml = to_toml(c, [](std::string_view section, std::string_view key) {
+    return section == "model" || (section == "job" && key != "on_existing") ||
+           (section == "checkpoint" && key == "initial_load_path") ||
+           (section == "training" && key == "seq_len");
+  });
   try {
     load_config(toml, hf_dir + "/config.json");  // what it prints, lockstep's checks accept
   } catch (const ConfigError& e) {

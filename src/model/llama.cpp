@@ -15,6 +15,8 @@
 #include <ATen/ops/silu.h>
 #include <ATen/ops/view_as_complex.h>
 #include <ATen/ops/view_as_real.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/rsub.h>
 
 #include <cmath>
 
@@ -32,6 +34,21 @@ at::Tensor trunc_normal(std::vector<int64_t> shape, double std, double lo, doubl
     if (n == 0) return x;
     x.masked_scatter_(bad, at::empty({n}, at::kFloat).normal_(0.0, std, gen));
   }
+}
+
+// Llama 3.1's frequency scaling, as transformers computes it in fp32: a wavelength beyond
+// original / low_freq_factor is divided by factor, one below original / high_freq_factor kept,
+// and those between blended by how far they lie.
+at::Tensor llama3_scaled(const at::Tensor& inv, const ModelConfig& m) {
+  const double original = static_cast<double>(m.rope_original_max_seq_len);
+  const double low = m.rope_low_freq_factor, high = m.rope_high_freq_factor;
+  const double factor = m.rope_scaling_factor;
+  const at::Tensor wavelen = inv.reciprocal().mul(2 * M_PI);  // torch's scalar / tensor
+  const at::Tensor scaled = at::where(wavelen.gt(original / low), inv.div(factor), inv);
+  const at::Tensor smooth = wavelen.reciprocal().mul(original).sub(low).div(high - low);
+  const at::Tensor blended = at::rsub(smooth, 1).mul(scaled).div(factor).add(smooth.mul(scaled));
+  const at::Tensor medium = wavelen.ge(original / high).logical_and(wavelen.le(original / low));
+  return at::where(medium, blended, scaled);
 }
 
 }  // namespace
@@ -73,13 +90,16 @@ Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device, UnitS
   }
   norm_ = ones("norm.weight");
   const double out_std = 1.0 / std::sqrt(static_cast<double>(C));
-  output_ = add("output.weight", trunc_normal({V, C}, out_std, -3 * out_std, 3 * out_std, gen),
-                device);
-  end_unit();
+  output_ = cfg_.tie_embeddings  // tied: one tensor, stored and trained once
+                ? tok_embeddings_
+                : add("output.weight", trunc_normal({V, C}, out_std, -3 * out_std, 3 * out_std, gen),
+                      device);
+  end_unit();  // tied, the head reads unit 0's tensor (fsdp refuses it: config.cpp)
 
   // Angles t / theta^(2i / hd) for the interleaved pairs (2i, 2i + 1), in fp32 as torchtitan.
   at::Tensor inv = at::pow(cfg_.rope_theta, at::arange(0, hd, 2, f32).div(static_cast<double>(hd)))
                        .reciprocal();
+  if (cfg_.rope_scaling == RopeScaling::kLlama3) inv = llama3_scaled(inv, cfg_);
   at::Tensor angles = at::outer(at::arange(cfg_.max_seq_len, f32), inv);  // (T, hd / 2)
   rotation_ = at::polar(at::ones_like(angles), angles).to(device);  // e^(i angle), complex64
 }

@@ -41,7 +41,8 @@ ModelSize model_size(const ModelConfig& m) {
                         (m.n_heads * hd) * C + C + 3 * C * H;
   s.embedding = V * C;
   s.block = block;
-  s.parameters = s.embedding + m.n_layers * block + C + V * C;  // final norm, untied output
+  s.tied_head = m.tie_embeddings ? V * C : 0;                   // the head reads tok_embeddings
+  s.parameters = s.embedding + m.n_layers * block + C + (m.tie_embeddings ? 0 : V * C);
   return s;
 }
 
