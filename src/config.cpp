@@ -14,6 +14,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 #include <variant>
 
@@ -1099,6 +1100,7 @@ Config load_config(std::string_view toml_text, const std::string& origin,
   }
 
   Config c;
+  std::set<std::string> given;  // the keys the file or the command line set
   // Every key's error at once (a file with four mistakes takes one run, not four).
   std::vector<std::string> errors;
   const auto collect = [&errors](const auto& apply) {
@@ -1128,6 +1130,7 @@ Config load_config(std::string_view toml_text, const std::string& origin,
         const Field* f = resolve_key(name, c);
         if (!f) throw ConfigError(unknown_key_message(name, where));
         check_and_set(c, *f, from_toml(*f, node, where), where);
+        given.insert(f->name());
       });
   }
   for (const auto& [name, text] : overrides)
@@ -1136,10 +1139,16 @@ Config load_config(std::string_view toml_text, const std::string& origin,
       const Field* f = resolve_key(name, c);
       if (!f) throw ConfigError(unknown_key_message(name, "on the command line"));
       check_and_set(c, *f, from_text(*f, text, where), where);
+      given.insert(f->name());
     });
   if (errors.size() == 1) throw ConfigError(errors[0]);
   if (!errors.empty())
     throw ConfigError(fmt::format("{} errors: {}", errors.size(), fmt::join(errors, "; ")));
+  // A file named is a file read: data.path means file data and validation.dataset_path means
+  // validation, unless the other key was set too (then validate_inputs refuses the conflict).
+  if (!c.data.path.empty() && !given.contains("data.source")) c.data.source = DataSource::kFile;
+  if (!c.validation.dataset_path.empty() && !given.contains("validation.enable"))
+    c.validation.enable = true;
   validate_cross(c);
   return c;
 }

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "checkpoint/meta.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
 
@@ -132,6 +134,14 @@ std::vector<std::string> check_resume(const nlohmann::json& saved_config, int64_
     return fmt::format("{}.{} {} -> {}", section, key, saved[section][key].dump(),
                        now[section][key].dump());
   };
+  // Another model in the folder is another run, whatever else differs (issue 41: a second
+  // fine-tune into the first one's folder was refused naming its seq_len or dropout).
+  if (const auto model = model_differences(saved, now); !model.empty())
+    throw InputError(fmt::format(
+        "the run folder '{}' holds checkpoints of another model ({}); train into another "
+        "job.dump_folder, or start fresh there with --checkpoint.load_step 0 "
+        "--job.on_existing archive (the earlier run is kept under its archive/)",
+        c.job.dump_folder, fmt::join(model, ", ")));
   std::vector<std::string> order;
   for (auto [s, k] : {std::pair{"training", "seed"}, {"training", "seq_len"}, {"data", "source"},
                       {"data", "path"}, {"data", "format"}, {"data", "synthetic_tokens"}})

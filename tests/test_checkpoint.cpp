@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/meta.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
 #include "model/gpt.h"
@@ -158,8 +159,21 @@ TEST(Checkpoint, OtherModelConfigIsRejected) {
   wide.dim = 32;
   Job b(2, wide);
   std::string m = load_error(ck, 3, b, config_json(wide));
-  EXPECT_NE(m.find("model.dim = 16"), std::string::npos) << m;
-  EXPECT_NE(m.find("this run has 32"), std::string::npos) << m;
+  EXPECT_NE(m.find("holds another model (model.dim 16 -> 32)"), std::string::npos) << m;
+}
+
+// A checkpoint written before a [model] key existed resumes when the run keeps that key's
+// default (issue 41's rope and tie keys), and is another model when the run sets it.
+TEST(Checkpoint, AModelKeyTheCheckpointLacksCountsAsItsDefault) {
+  nlohmann::json saved = nlohmann::json::parse(to_json(default_config()));
+  saved["model"].erase("tie_embeddings");
+  saved["model"]["dropout"] = 0.3;
+  Config now = default_config();
+  EXPECT_TRUE(model_differences(saved, nlohmann::json::parse(to_json(now))).empty());
+  now.model.tie_embeddings = true;
+  const auto d = model_differences(saved, nlohmann::json::parse(to_json(now)));
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0], "model.tie_embeddings false -> true");
 }
 
 TEST(Checkpoint, InfoOnNonCheckpoint) {

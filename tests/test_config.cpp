@@ -289,9 +289,11 @@ TEST(Config, JsonHasEverySectionAndKey) {
   EXPECT_EQ(j["fault"]["random_kinds"], "nan_grad, inf_grad, nan_loss, spike");
 }
 
-// No silent input: a training file with synthetic data, or held-out files with validation off,
-// is refused naming both keys and the fix (the run would train on something else with a
-// healthy-looking loss); torchtitan's alias is refused the same way.
+// No silent input: a training file means file data and held-out files mean validation (issue
+// 41: an imported config's fine-tune line was refused); set against an explicit
+// data.source = "synthetic" or validation.enable = false, the conflict is refused naming both
+// keys and the fix (the run would train on something else with a healthy-looking loss);
+// torchtitan's alias is read the same way.
 TEST(Config, ANamedFileIsReadOrTheRunIsRefused) {
   const auto refusal = [](const std::vector<std::string>& args) {
     try {
@@ -302,14 +304,20 @@ TEST(Config, ANamedFileIsReadOrTheRunIsRefused) {
     return std::string("accepted");
   };
   for (const char* key : {"--data.path", "--training.dataset_path"}) {
-    const std::string m = refusal({key, "my.bin"});
+    EXPECT_EQ(load_config("", "t", lockstep::parse_overrides({key, "my.bin"})).data.source,
+              lockstep::DataSource::kFile);
+    const std::string m = refusal({"--data.source", "synthetic", key, "my.bin"});
     EXPECT_NE(m.find("'data.path': \"my.bin\" but data.source = \"synthetic\" reads no file"),
               std::string::npos)
         << key << ": " << m;
     EXPECT_NE(m.find("set data.source = \"file\""), std::string::npos) << m;
   }
   EXPECT_EQ(refusal({"--data.source", "file", "--data.path", "my.bin"}), "accepted");
-  const std::string v = refusal({"--validation.dataset_path", "val_*.bin"});
+  EXPECT_TRUE(load_config("", "t", lockstep::parse_overrides({"--validation.dataset_path",
+                                                               "val.bin"}))
+                  .validation.enable);
+  const std::string v =
+      refusal({"--validation.enable", "false", "--validation.dataset_path", "val_*.bin"});
   EXPECT_NE(v.find("'validation.dataset_path': \"val_*.bin\" but validation.enable = false"),
             std::string::npos)
       << v;

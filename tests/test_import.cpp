@@ -127,6 +127,44 @@ TEST(Import, ARunStartsFromTheFolderAndAResumeDoesNotReadIt) {
   EXPECT_NE(run.out.find("resumed from"), std::string::npos) << run.out;
 }
 
+// The printed config works with the line a user adds (issue 41): it names a run folder of its
+// own (a second fine-tune never meets the first), sets nothing the data and validation lines
+// conflict with, and a fine-tune started in another model's folder is told so.
+TEST(Import, EachFineTuneHasItsOwnFolderAndTakesTheDataLine) {
+  TempDir dir;
+  make_hf(dir / "a", "gpt2");
+  make_hf(dir / "b", "llama");
+  std::filesystem::rename(dir / "a/model", dir / "hf_gpt2");
+  std::filesystem::rename(dir / "b/model", dir / "hf_llama");
+  ASSERT_EQ(test::run_lockstep("data shard " + (dir / "data") + " --from " LOCKSTEP_SOURCE_DIR
+                               "/README.md").code, 0);
+  std::ofstream(dir / "gpt2.toml") << test::run_lockstep("import " + (dir / "hf_gpt2")).out;
+  std::ofstream(dir / "llama.toml") << test::run_lockstep("import " + (dir / "hf_llama")).out;
+  const std::string toml = test::read_text(dir / "gpt2.toml");
+  EXPECT_NE(toml.find("dump_folder = './outputs/finetune-hf_gpt2'"), std::string::npos) << toml;
+  for (const char* absent : {"[data]", "[validation]", "source =", "enable ="})
+    EXPECT_EQ(toml.find(absent), std::string::npos) << absent << "\n" << toml;
+  const std::string line = " --data.path '" + (dir / "data") + "/train_*.bin' "
+                           "--validation.dataset_path '" + (dir / "data") + "/val_*.bin' "
+                           "--training.steps 2 --training.threads 1 --validation.steps 1 "
+                           "--checkpoint.interval 2";
+  for (const char* name : {"gpt2", "llama"}) {
+    const auto r = test::capture("cd " + dir.path() + " && " LOCKSTEP_BIN " train --config " +
+                                 name + ".toml" + line);
+    EXPECT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("validation"), std::string::npos) << r.out;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "outputs/finetune-hf_gpt2/checkpoint/step-2"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "outputs/finetune-hf_llama/checkpoint/step-2"));
+  const auto other = test::capture("cd " + dir.path() + " && " LOCKSTEP_BIN
+                                   " train --config llama.toml --job.dump_folder "
+                                   "outputs/finetune-hf_gpt2" + line);
+  EXPECT_EQ(other.code, 3) << other.out;
+  EXPECT_NE(other.out.find("holds checkpoints of another model (model.dim 48 -> 64"),
+            std::string::npos)
+      << other.out;
+}
+
 TEST(Import, RefusesAnotherArchitectureAnotherModelAndAShapeThatDiffers) {
   TempDir dir;
   make_hf(dir / "bert", "bert");

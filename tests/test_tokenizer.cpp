@@ -193,3 +193,74 @@ TEST(Tokenizer, AVocabularyBeyondUint16WritesLlama3Shards) {
   EXPECT_EQ(show.code, 0) << show.out;
   EXPECT_NE(show.out.find("llm.c llama-3 (uint32)"), std::string::npos) << show.out;
 }
+
+namespace {
+
+// transformers' greedy continuation of `prompt` from the export `folder`
+// (tests/hf_generate.py), as JSON.
+nlohmann::json transformers_generate(const std::string& folder, const std::string& prompt, int n) {
+  const auto r = test::capture(fmt::format("{} {}/tests/hf_generate.py {} '{}' {} 2>/dev/null",
+                                           LOCKSTEP_PYTHON, LOCKSTEP_SOURCE_DIR, folder, prompt, n));
+  EXPECT_EQ(r.code, 0) << r.out;
+  return nlohmann::json::parse(r.out.substr(r.out.rfind('{')));
+}
+
+// lockstep's own (`lockstep generate`, greedy), as the text it prints.
+std::string lockstep_generate(const std::string& run, const std::string& prompt, int n) {
+  const auto r = test::run_lockstep(fmt::format("generate {} --prompt '{}' --tokens {} "
+                                                "--temperature 0", run, prompt, n));
+  EXPECT_EQ(r.code, 0) << r.out;
+  return r.out.substr(0, r.out.size() - 1);  // its newline
+}
+
+// The same continuation, or transformers stopped at the end-of-text token lockstep went past.
+void expect_same_continuation(const nlohmann::json& theirs, const std::string& ours, int n) {
+  const std::string text = theirs["text"].get<std::string>();
+  if (theirs["ended"].get<bool>())
+    EXPECT_EQ(ours.rfind(text.substr(0, text.size() - 13), 0), 0u) << text << "\n" << ours;
+  else
+    EXPECT_EQ(text, ours);
+  EXPECT_TRUE(theirs["ended"].get<bool>() || theirs["tokens"].get<int>() == n) << theirs;
+}
+
+}  // namespace
+
+// An export is a folder transformers uses as it is (issue 41: the tokenizer was not copied and
+// bos/eos were null, so AutoTokenizer failed and generate had no end token): the run's
+// tokenizer.json with tokenizer_config.json, the ids in config.json and generation_config.json;
+// AutoTokenizer and AutoModelForCausalLM load it and continue a prompt greedily as `lockstep
+// generate` does — a BPE run (a Llama with llama3 rope scaling and a tied head) and a
+// byte-level one (the GPT on the embedded text: its tokenizer is written for it).
+TEST(Tokenizer, AnExportIsAFolderTransformersUsesAsItIs) {
+  TempDir dir;
+  ASSERT_NO_FATAL_FAILURE(shard_corpus(dir));
+  auto r = test::run_lockstep(small_train(dir) +
+                              "--model.vocab_size 300 --model.name llama --model.tie_embeddings "
+                              "true --model.rope_scaling llama3 --model.rope_original_max_seq_len "
+                              "8 --training.steps 12 --checkpoint.interval 12");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = test::run_lockstep("export " + (dir / "run") + " " + (dir / "hf"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("tokenizer.json (the run's"), std::string::npos) << r.out;
+  const auto config = nlohmann::json::parse(test::read_text(dir / "hf/config.json"));
+  EXPECT_EQ(config["eos_token_id"], 0) << config;  // <|endoftext|>, the BPE's first id
+  EXPECT_EQ(config["bos_token_id"], 0) << config;
+  EXPECT_EQ(config["tie_word_embeddings"], true) << config;
+  EXPECT_EQ(config["rope_parameters"]["rope_type"], "llama3") << config;
+  const auto generation = nlohmann::json::parse(test::read_text(dir / "hf/generation_config.json"));
+  EXPECT_EQ(generation["eos_token_id"], 0) << generation;
+  expect_same_continuation(transformers_generate(dir / "hf", "In the beginning", 6),
+                           lockstep_generate(dir / "run", "In the beginning", 6), 6);
+
+  std::string bytes = "train --job.dump_folder " + (dir / "bytes") +
+                      " --model.dim 32 --model.n_heads 2 --model.n_layers 1 --model.max_seq_len 32"
+                      " --training.seq_len 32 --training.local_batch_size 4 --training.steps 20"
+                      " --training.threads 1 --checkpoint.interval 20";
+  r = test::run_lockstep(bytes);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = test::run_lockstep("export " + (dir / "bytes") + " " + (dir / "hf-bytes"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("byte-level"), std::string::npos) << r.out;
+  expect_same_continuation(transformers_generate(dir / "hf-bytes", "the ", 12),
+                           lockstep_generate(dir / "bytes", "the ", 12), 12);
+}

@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/core/GradMode.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -63,19 +64,15 @@ void set_cpu_rng_state(const std::string& hex, const std::string& dir) {
   }
 }
 
-
 // The model must be the same one: the model section of the config, key by key.
 void check_same_model(const std::string& dir, const json& saved, const json& config) {
-  const json& saved_model = saved["config"]["model"];
-  for (auto& [k, v] : config["model"].items()) {
-    if (!saved_model.contains(k) || saved_model[k] != v)
-      throw InputError(fmt::format(
-          "checkpoint '{}' was written with model.{} = {}, this run has {}; resume with the same "
-          "model config, or start this model fresh with --checkpoint.load_step 0 "
-          "--job.on_existing archive (the earlier run is kept under the run folder's archive/) "
-          "or in another job.dump_folder",
-          dir, k, saved_model.contains(k) ? saved_model[k].dump() : "(absent)", v.dump()));
-  }
+  const std::vector<std::string> differences = model_differences(saved["config"], config);
+  if (!differences.empty())
+    throw InputError(fmt::format(
+        "checkpoint '{}' holds another model ({}); resume with the same model config, or start "
+        "this model fresh with --checkpoint.load_step 0 --job.on_existing archive (the earlier "
+        "run is kept under the run folder's archive/) or in another job.dump_folder",
+        dir, fmt::join(differences, ", ")));
 }
 
 std::optional<int64_t> parse_step_dir(const std::string& name) {

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "checkpoint/checkpointer.h"
+#include "lockstep/config.h"
 #include "fsutil.h"
 #include "lockstep/build_info.h"
 #include "lockstep/error.h"
@@ -206,6 +207,18 @@ json build_meta(const TrainState& state, OptimizerLayout layout, const json& con
                {"checksums", checksums}});
   if (layout != OptimizerLayout::kPerParameter) meta["optimizer_shards"] = shard_list;
   return meta;
+}
+
+std::vector<std::string> model_differences(const nlohmann::json& saved, const nlohmann::json& now) {
+  static const nlohmann::json defaults = nlohmann::json::parse(to_json(default_config()))["model"];
+  const nlohmann::json& was = saved.contains("model") ? saved["model"] : defaults;
+  std::vector<std::string> out;
+  for (const auto& [key, value] : now.at("model").items()) {
+    const nlohmann::json& before = was.contains(key) ? was[key] : defaults[key];
+    if (key != "dropout" && before != value)
+      out.push_back(fmt::format("model.{} {} -> {}", key, before.dump(), value.dump()));
+  }
+  return out;
 }
 
 }  // namespace lockstep

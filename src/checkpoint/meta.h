@@ -25,6 +25,12 @@ constexpr int kCheckpointFormatVersion = 1;
 // InputError naming the file and the key.
 nlohmann::json read_meta(const std::string& dir);
 
+// "model.dim 48 -> 64" for every [model] key whose value in a checkpoint's config (`saved`)
+// differs from the run's (`now`, to_json's): the checkpoint holds another model. A key the
+// checkpoint lacks (written before it existed) counts as its default; dropout changes no
+// parameter and is not compared.
+std::vector<std::string> model_differences(const nlohmann::json& saved, const nlohmann::json& now);
+
 // The counters of a checked meta.json.
 TrainState state_of(const nlohmann::json& meta);
 
