@@ -91,6 +91,29 @@ TEST(TensorBoard, AFolderItCannotWriteIsOneWarningAndTheRunGoesOn) {
   EXPECT_TRUE(ended);
 }
 
+// The sink writes with tensorboard's own writer, so a Python without torch writes the same
+// files (issue 41: it imported torch.utils.tensorboard, and a refusal named the wrong package):
+// here `import torch` fails in the sink's Python, and TensorBoard's reader finds every step.
+TEST(TensorBoard, WritesWithoutTorch) {
+  TempDir dir;
+  std::filesystem::create_directories(dir / "no-torch/torch");
+  std::ofstream(dir / "no-torch/torch/__init__.py") << "raise ImportError('no torch here')\n";
+  const std::string python = dir / "python-without-torch";
+  std::ofstream(python) << "#!/bin/sh\nPYTHONPATH=" << (dir / "no-torch") << " exec "
+                        << LOCKSTEP_PYTHON << " \"$@\"\n";
+  std::filesystem::permissions(python, std::filesystem::perms::owner_all);
+  const auto run = test::capture("LOCKSTEP_PYTHON=" + python + " " LOCKSTEP_BIN " train "
+                                 "--job.dump_folder " + (dir / "run") + kRun);
+  ASSERT_EQ(run.code, 0) << run.out;
+  EXPECT_EQ(run.out.find("warning: metrics sink"), std::string::npos) << run.out;
+  const auto read = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
+                                  "/tests/tb_read.py " + (dir / "run/tb"));
+  ASSERT_EQ(read.code, 0) << read.out;
+  const nlohmann::json tb = nlohmann::json::parse(read.out);
+  EXPECT_EQ(tb["scalars"]["train/loss"].size(), 6u) << read.out;
+  EXPECT_EQ(tb["texts"].size(), 1u) << read.out;
+}
+
 TEST(TensorBoard, APythonWithoutItIsRefusedBeforeTheRunStarts) {
   TempDir dir;
   const std::string fake = dir / "python-without-site-packages";
@@ -156,7 +179,8 @@ TEST(WandB, AnOfflineRunHoldsTheMetricsAndTheSkips) {
   TempDir dir;
   const std::string args = kRun.substr(0, kRun.find(" --metrics.enable_tensorboard"));
   const auto run = test::run_lockstep("train --job.dump_folder " + (dir / "run") + args +
-                                      " --metrics.enable_wandb true");
+                                      " --metrics.enable_wandb true --metrics.wandb_project "
+                                      "lockstep-tests --metrics.wandb_run_name tiny-skip");
   ASSERT_EQ(run.code, 0) << run.out;
   EXPECT_NE(run.out.find("metrics: an offline W&B run in " + (dir / "run") + "/wandb"),
             std::string::npos)
@@ -165,8 +189,11 @@ TEST(WandB, AnOfflineRunHoldsTheMetricsAndTheSkips) {
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir / "run/wandb"))
     if (e.path().extension() == ".wandb") log = test::read_text(e.path().string());
   ASSERT_FALSE(log.empty()) << "no offline run file under " << (dir / "run/wandb");
+  // The metrics, the skip, the project and run name asked for, and the resolved config
+  // (wandb.config: every section, e.g. skip.grad_norm_zscore and checkpoint.initial_load_path).
   for (const char* key : {"train/loss", "train/grad_norm", "skip/skipped_steps", "val/loss",
-                          "decision/skip", "step 12: SKIP (nonfinite_grad)"})
+                          "decision/skip", "step 12: SKIP (nonfinite_grad)", "lockstep-tests",
+                          "tiny-skip", "grad_norm_zscore", "initial_load_path"})
     EXPECT_NE(log.find(key), std::string::npos) << key;
   size_t records = 0;
   for (size_t at = log.find("train/loss"); at != std::string::npos;
