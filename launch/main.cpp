@@ -261,7 +261,9 @@ int model_tool(const Cli& c) {
     std::cout << lockstep::write_text_shards(c.shard_options);
   } else if (*c.sample) {
     auto samples = lockstep::show_samples(c.diag_dir, c.sample_ids);
-    std::cout << (c.json ? samples.dump(2) + "\n" : lockstep::format_samples(samples));
+    // Bytes that are not UTF-8 (a byte-level sample cut mid-character) become U+FFFD in JSON.
+    std::cout << (c.json ? samples.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n"
+                         : lockstep::format_samples(samples));
   } else if (*c.exporter) {
     std::cout << lockstep::export_checkpoint(c.ckpt_dir, c.export_step, c.export_format,
                                              c.export_out) << "\n";

@@ -126,9 +126,13 @@ TEST(DataShow, ASampleIdLeadsToItsFileOffsetAndText) {
   std::string tokens;
   for (const auto& t : j["tokens"]) tokens += static_cast<char>(t.get<int>());
   EXPECT_EQ(tokens, expected);
+  // The JSON holds the text itself, escaped once by JSON (issue 41: "\\n" twice escaped).
+  EXPECT_EQ(j["text"].get<std::string>(), expected);
   r = test::run_lockstep("data show " + (dir / "run") + " 70");
   EXPECT_NE(r.out.find("sample 70: "), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("text:"), std::string::npos) << r.out;
+  std::string shown;  // the terminal's view: a newline as \n, on one line
+  for (char ch : expected) shown += ch == '\n' ? std::string("\\n") : std::string(1, ch);
+  EXPECT_NE(r.out.find("text:   \"" + shown + "\""), std::string::npos) << r.out;
   r = test::run_lockstep("data show " + (dir / "run") + " 100000");
   EXPECT_EQ(r.code, 3) << r.out;
 }

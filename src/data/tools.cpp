@@ -59,11 +59,11 @@ std::vector<int64_t> shard_input(const ShardOptions& o, std::optional<Tokenizer>
   return bytes;
 }
 
-// A value for JSON and the terminal: control bytes escaped, the rest as they are; bytes from
-// 0x7f up too unless `utf8` (a tokenizer's decoded text).
-std::string printable(const std::vector<int64_t>& tokens, bool utf8 = false) {
+// The terminal's view of a sample's text: control characters and backslashes escaped (a sample
+// cannot forge lines), bytes from 0x7f up too unless `utf8` (a tokenizer's decoded text).
+std::string printable(std::string_view text, bool utf8) {
   std::string s;
-  for (int64_t t : tokens) {
+  for (unsigned char t : text) {
     if (t == '\n') s += "\\n";
     else if (t == '\\') s += "\\\\";
     else if (t < 0x20 || (t >= 0x7f && !utf8)) s += fmt::format("\\x{:02x}", t);
@@ -140,11 +140,16 @@ nlohmann::json show_samples(const std::string& run_dir, const std::vector<int64_
                         {"token_offset", at.start},
                         {"byte_offset", shard.header_bytes + at.start * shard.width},
                         {"tokens", tokens}};
-    if (source->byte_level()) j["text"] = printable(tokens);
+    // The text itself (JSON escapes it once); "utf8": whether it is a tokenizer's decoded text.
+    if (source->byte_level()) {
+      std::string bytes;
+      for (int64_t t : tokens) bytes += static_cast<char>(t);
+      j["text"] = bytes;
+      j["utf8"] = false;
+    }
     if (tokenizer) {
-      std::vector<int64_t> bytes;
-      for (unsigned char ch : tokenizer->decode(tokens)) bytes.push_back(ch);
-      j["text"] = printable(bytes, true);
+      j["text"] = tokenizer->decode(tokens);
+      j["utf8"] = true;
     }
     out.push_back(j);
   }
@@ -159,7 +164,9 @@ std::string format_samples(const nlohmann::json& samples) {
                        s["token_offset"].get<int64_t>(),
                        s["token_offset"].get<int64_t>() + static_cast<int64_t>(s["tokens"].size()),
                        s["byte_offset"].get<int64_t>());
-    if (s.contains("text")) out += fmt::format("  text:   \"{}\"\n", s["text"].get<std::string>());
+    if (s.contains("text"))
+      out += fmt::format("  text:   \"{}\"\n",
+                         printable(s["text"].get<std::string>(), s.value("utf8", true)));
     out += fmt::format("  tokens: {}\n", fmt::join(s["tokens"].get<std::vector<int64_t>>(), " "));
   }
   return out;
