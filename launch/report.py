@@ -36,6 +36,11 @@ def read_jsonl(path):
     return out
 
 
+def outside_legend(ax, **kw):
+    """The panel's legend beside it, right of the plot: it never hides a marker or a line."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit("usage: report.py RUN_DIR OUT_PNG")
@@ -124,7 +129,7 @@ def main():
     ax_loss.set_ylabel("loss")
     ax_loss.set_yscale("log")
     mark(ax_loss, legend=True)
-    ax_loss.legend(loc="upper right", fontsize=8)
+    outside_legend(ax_loss, fontsize=8)
 
     # Grad norm with thresholds and z-band
     ax_norm.plot(a_steps, keep(col("grad_norm")), color="tab:green", lw=1.2,
@@ -156,7 +161,7 @@ def main():
     ax_norm.set_yscale("log")
     ax_norm.set_ylabel("grad norm")
     mark(ax_norm)
-    ax_norm.legend(loc="upper right", fontsize=8)
+    outside_legend(ax_norm, fontsize=8)
 
     # LR
     ax_lr.plot(steps, col("lr"), color="tab:purple", lw=1.2)
@@ -190,12 +195,12 @@ def main():
     ax_ranks.set_ylabel("rank (culprit)")
     ax_ranks.set_xlabel("step")
     if seen:
-        ax_ranks.legend(loc="upper left", fontsize=7, ncol=2)
+        outside_legend(ax_ranks, fontsize=7)
     ax_ranks.grid(axis="y", alpha=0.3)
 
     fig.tight_layout()
     tmp = out + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")  # the legends beside the panels included
     os.replace(tmp, out)
     print(f"lockstep report: wrote {out} ({len(steps)} logged steps, {len(validation)} validations, "
           f"{len(events)} events, {len(skips)} skips, {len(clips)} clips, {len(salvages)} salvages, "

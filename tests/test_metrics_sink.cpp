@@ -201,3 +201,17 @@ TEST(WandB, AnOfflineRunHoldsTheMetricsAndTheSkips) {
     ++records;
   EXPECT_GE(records, 6u) << "one history record per logged step (5, 10, ..., 30)";
 }
+
+// `lockstep report`'s legends stand beside their panels (issue 41: a legend inside the loss
+// panel hid a skip's marker): on a run with a skip, a clip-free loss and validation, no legend
+// overlaps its panel's plotting area.
+TEST(Report, NoLegendHidesAMarker) {
+  TempDir dir;
+  const std::string args = kRun.substr(0, kRun.find(" --metrics.enable_tensorboard"));
+  ASSERT_EQ(test::run_lockstep("train --job.dump_folder " + (dir / "run") + args).code, 0);
+  const auto r = test::capture(std::string(LOCKSTEP_PYTHON) + " " LOCKSTEP_SOURCE_DIR
+                               "/tests/report_legends.py " LOCKSTEP_SOURCE_DIR
+                               "/launch/report.py " + (dir / "run") + " " + (dir / "report.png"));
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("legends clear of 3 panels"), std::string::npos) << r.out;
+}
