@@ -7,7 +7,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$root/.gpu-deps/debs"
 cd "$root/.gpu-deps/debs"
 pkgs=(libcli11-dev nlohmann-json3-dev libtomlplusplus-dev libtomlplusplus3 libspdlog-dev
-  libfmt-dev libgtest-dev libgmock-dev libgloo-dev)
+  libfmt-dev libgtest-dev libgmock-dev libgloo-dev libjemalloc-dev libjemalloc2)
 # Python's C headers for the PyTorch package (used when the GPU machine's python3 is this version).
 pkgs+=("libpython$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')-dev")
 # The runtime libraries' package names carry their soname version; take the installed ones.

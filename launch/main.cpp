@@ -391,6 +391,14 @@ int run(Cli& c) {
 
 }  // namespace
 
+// jemalloc's options when it is the process's malloc (CMakeLists.txt): large blocks (fsdp's
+// gathered units and gradients, activations) stay in the arenas that decay them, instead of
+// jemalloc's own arena for blocks past 8 MiB, which purged them at once and faulted them back
+// every step (+25 % step time). MALLOC_CONF overrides it. Without jemalloc nobody reads it.
+extern "C" {
+__attribute__((used)) const char* malloc_conf = "oversize_threshold:0";
+}
+
 int main(int argc, char** argv) {
   // LibTorch logs c10d's retries and timeouts with a C++ backtrace each (41 lines for a store
   // that cannot be reached): lockstep reports them itself, in one line. TORCH_CPP_LOG_LEVEL

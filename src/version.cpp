@@ -61,6 +61,18 @@ int match_object(struct dl_phdr_info* info, size_t, void* data) {
   return 0;
 }
 
+// "jemalloc 5.3.0-..." when jemalloc is the process's malloc (CMakeLists.txt links it), else
+// the C library's.
+std::string allocator() {
+  using Mallctl = int (*)(const char*, void*, size_t*, void*, size_t);
+  const auto mallctl = reinterpret_cast<Mallctl>(::dlsym(RTLD_DEFAULT, "mallctl"));
+  const char* version = nullptr;
+  size_t size = sizeof version;
+  if (mallctl != nullptr && mallctl("version", &version, &size, nullptr, 0) == 0 && version)
+    return fmt::format("jemalloc {}", version);
+  return "the C library's";
+}
+
 }  // namespace
 
 std::string build_id() {
@@ -77,8 +89,8 @@ std::string build_id() {
 }
 
 std::string version_report() {
-  std::string out = fmt::format("lockstep {} (build id {})\nLibTorch {}\n", LOCKSTEP_VERSION,
-                                build_id(), TORCH_VERSION);
+  std::string out = fmt::format("lockstep {} (build id {})\nLibTorch {}\nmalloc: {}\n",
+                                LOCKSTEP_VERSION, build_id(), TORCH_VERSION, allocator());
 #ifdef LOCKSTEP_WITH_CUDA
   const auto d = kernels::query_device_info();
   out += fmt::format("CUDA runtime {}.{} (compiled for {}.{}), driver {}, {} device(s)\n",

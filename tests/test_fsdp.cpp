@@ -357,6 +357,12 @@ TEST(MemoryPlan, IsAnUpperBoundOfTheMeasuredPeakWithinOneAndAHalf) {
       {"llama bf16 full recomputation", 1, llama,
        {{bf16, "bfloat16"}, {"activation_checkpoint.mode", "full"}}},
       {"llama fsdp bf16, 2 ranks", 2, llama, {{"parallelism.mode", "fsdp"}, {bf16, "bfloat16"}}},
+      // issue 39's shape: 50 M parameters in 16 blocks, where fsdp's passing buffers dominate
+      {"llama 16 x 512 fsdp + overlap, 2 ranks", 2, llama,
+       {{"model.dim", "512"}, {"model.n_layers", "16"}, {"model.n_heads", "8"},
+        {"model.vocab_size", "256"}, {"training.local_batch_size", "1"},
+        {"training.seq_len", "64"}, {"model.max_seq_len", "64"}, {"parallelism.mode", "fsdp"},
+        {"parallelism.overlap", "true"}}},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);

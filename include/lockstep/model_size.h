@@ -38,7 +38,7 @@ int64_t llama_ffn_hidden(const ModelConfig& model);
 // overlap and accumulation: whether the unsharded gradients stay), as docs/usage.md's table
 // says.
 double state_bytes_per_rank(const ModelSize& size, const Config& config, ParallelMode mode,
-                            int64_t world);
+                            int64_t world, bool gpu = false);
 
 // The parameters of the largest unit fsdp gathers (the embeddings, a block, or the head).
 int64_t largest_unit(const ModelSize& size);
@@ -54,7 +54,8 @@ std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, in
 // `gpu` false), each layer's B x heads x T x T scores in the precisions kept, with one layer's
 // temporaries. A block that recomputes (activation_checkpoint) keeps its input only, dim values
 // a token, and one block's activations exist again while it recomputes. Checked against the
-// measured peak across precisions, modes and dropout (docs/reliability.md).
+// measured peak across precisions, modes and dropout with jemalloc, the trainer's malloc (the C
+// library's keeps freed blocks resident: up to 2x more; docs/reliability.md).
 double activation_bytes_per_rank(const ModelSize& size, const Config& config, bool gpu);
 // What a validation pass holds at once (no backward: one layer, the logits); 0 without one.
 double validation_bytes_per_rank(const ModelSize& size, const Config& config, bool gpu);

@@ -506,11 +506,13 @@ void Fsdp::land_oldest(int contributors) {
 // Overlap, after the last backward: the units not sent yet (a parameter without a gradient, or
 // a backward cut short) go now, and every unit lands.
 void Fsdp::finish_backward() {
-  for (Unit& x : units_) {
-    if (!x.grad.defined()) allocate_gradient(x);  // no gradient came: zeros
-    x.pending = 0;
-  }
   if (!armed_) begin_last_backward();
+  // Units not sent yet that got no gradient send zeros. (Those sent have landed and let go of
+  // theirs: zeros allocated for them stayed resident until the next step, the whole model's
+  // gradient again; issue 39.)
+  for (int u = 0; u <= next_send_; ++u)
+    if (!units_[u].grad.defined()) allocate_gradient(units_[u]);
+  for (Unit& x : units_) x.pending = 0;
   send_ready();
   while (!in_flight_.empty()) land_oldest(world_);
   armed_ = false;
