@@ -6,10 +6,8 @@
 #     fsdp (overlap on) at 1, 2 and 4 ranks (4 oversubscribe 2 cores). Printed per run: the
 #     largest peak resident memory of any rank during training (the peak restarts after setup),
 #     the memory plan's total for it (`lockstep config check`'s per-rank plan), and their ratio.
-#     glibc's allocator keeps freed blocks above its (self-raising) mmap threshold in its heaps,
-#     where they stay resident: every run here fixes the threshold at 1 MiB
-#     (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_) so that resident memory follows what is
-#     allocated, in every mode alike.
+#     No allocator settings: the trainer's malloc is jemalloc (as a user runs it; `lockstep
+#     version` says which).
 #  2. Recomputation's memory: one rank, the Llama with dim 256, 4 blocks, seq 2048 x 2, with
 #     activation_checkpoint.mode none, selective (every 2nd block) and full: peak and plan.
 #  3. Step time, same run: fsdp against sharded on 2 ranks (the 60 M model, 4 x 64 tokens a
@@ -36,8 +34,7 @@ one() {
   local world="$1"
   shift
   rm -rf "$tmp/run"
-  MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=1048576 \
-    "$bin/lockstep-run" --nproc-per-node "$world" -- "$bin/lockstep" train --job.dump_folder "$tmp/run" \
+  "$bin/lockstep-run" --nproc-per-node "$world" -- "$bin/lockstep" train --job.dump_folder "$tmp/run" \
     --checkpoint.enable false --diagnostics.verify_every 0 "$@" >"$tmp/log" 2>&1 ||
     { echo "bench_fsdp: a run failed: $*" >&2; tail -3 "$tmp/log" >&2; exit 1; }
   python3 - "$tmp/run" "$world" <<'PY'

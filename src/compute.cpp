@@ -17,8 +17,9 @@ namespace {
 // Where every forward is collective (fsdp gathers with every rank), a rank may not end its batch
 // alone: the ranks vote at each micro-batch boundary, one 8-byte sum of their stop flags, and
 // stop together. On the host (Gloo, MPI) the vote is read at once (the gathers already keep the
-// ranks in step); on a GPU it is read at the next boundary, so the host never waits for the
-// device there. Every rank reads the same sum at the same boundary.
+// ranks in step); on a GPU it is read at the next boundary, so the host waits at most for the
+// micro-batch before the one it queues, never for the one in flight. Every rank reads the same
+// sum at the same boundary.
 class StopVote {
  public:
   StopVote(Comm* comm, bool voting) : comm_(voting ? comm : nullptr) {
