@@ -74,8 +74,13 @@ double state_bytes_per_rank(const ModelSize& size, const Config& c, ParallelMode
   if (p16 && r16) ddp = 20, fixed = 4, spread = 20;
   if (!p16 && r16) ddp = 18, fixed = 10, spread = 18;
   const double n = static_cast<double>(size.parameters);
-  if (mode == ParallelMode::kDdp) return ddp * n;
-  if (mode == ParallelMode::kSharded) return (fixed + spread / static_cast<double>(world)) * n;
+  // In every mode, passing: one fp32 copy of the largest tensor (the update's and the checks'
+  // per-tensor temporaries; measured on a 60 M Llama whose embedding is 16 M parameters).
+  const double largest = 4.0 * static_cast<double>(std::max(
+                                   c.model.vocab_size * c.model.dim, size.ffn_hidden * c.model.dim));
+  if (mode == ParallelMode::kDdp) return ddp * n + largest;
+  if (mode == ParallelMode::kSharded)
+    return (fixed + spread / static_cast<double>(world)) * n + largest;
   // fsdp: the same spread (masters, moments, reduced shard, the P-dtype copy); a gradient buffer
   // of every parameter only without overlap (or with gradient accumulation, which keeps the
   // unsharded gradients to the last micro-batch); and, passing, two units gathered (the one
@@ -91,7 +96,7 @@ double state_bytes_per_rank(const ModelSize& size, const Config& c, ParallelMode
   const double unit = static_cast<double>(largest_unit(size));
   const double units = gpu ? 2 : 4, copies = gpu ? 3 : 5;
   const double passing = units * unit * p + (overlap ? unit * (p + copies * r) : 0);
-  return (grads + spread / static_cast<double>(world)) * n + passing;
+  return (grads + spread / static_cast<double>(world)) * n + passing + largest;
 }
 
 std::string bytes_text(double b) {
