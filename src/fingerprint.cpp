@@ -10,7 +10,6 @@
 
 #include "checkpoint/safetensors.h"
 #include "comm/comm.h"
-#include "data/digest.h"
 #include "data/tokenizer.h"
 #include "fsutil.h"
 #include "lockstep/build_info.h"
@@ -107,8 +106,7 @@ void add_files(Fingerprint& f, const std::string& prefix, const TokenSource& sou
     std::string crc;
     if (std::filesystem::is_regular_file(s.name)) {
       const ContentDigest d = content_digest(s.name);
-      (d.cached ? reads.cached : reads.read) += 1;
-      if (!d.cached) reads.bytes += d.bytes;
+      reads.count(d);
       crc = d.crc32;
     } else {
       std::vector<int64_t> first(static_cast<size_t>(std::min(s.tokens, kDigestTokens)));
@@ -163,8 +161,7 @@ Fingerprint weights_fingerprint(const std::string& folder, DigestReads& reads) {
   std::sort(files.begin(), files.end());
   for (const auto& file : files) {
     const ContentDigest d = content_digest(file.string());
-    (d.cached ? reads.cached : reads.read) += 1;
-    if (!d.cached) reads.bytes += d.bytes;
+    reads.count(d);
     f.items["checkpoint.initial_load_path." + file.filename().string()] =
         fmt::format("{} bytes, crc32 {}", d.bytes, d.crc32);
   }

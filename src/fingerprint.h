@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data/digest.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
 
@@ -41,6 +42,10 @@ struct JobInputs {
 // Files digested: read whole, or found in the digest cache (data/digest.h).
 struct DigestReads {
   int64_t read = 0, cached = 0, bytes = 0;
+  void count(const ContentDigest& d) {
+    (d.cached ? cached : read) += 1;
+    if (!d.cached) bytes += d.bytes;
+  }
 };
 
 // This rank's fingerprint; throws ConfigError when the data's tokenizer exceeds the vocabulary.

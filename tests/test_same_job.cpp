@@ -182,8 +182,8 @@ TEST(SameJob, AnotherValidationFileBinaryOrCpuCapabilityStopsEveryRank) {
 
   // Another build: the same binary with one byte of its build id changed.
   std::string binary = test::read_text(LOCKSTEP_BIN);
-  const std::string id = test::run_lockstep("version").out.substr(
-      test::run_lockstep("version").out.find("build id ") + 9, 16);
+  const std::string version = test::run_lockstep("version").out;
+  const std::string id = version.substr(version.find("build id ") + 9, 16);
   std::string raw;
   for (size_t i = 0; i + 1 < id.size(); i += 2)
     raw += static_cast<char>(std::stoi(id.substr(i, 2), nullptr, 16));

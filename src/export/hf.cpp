@@ -70,13 +70,13 @@ at::Tensor rotary_to_halves(const at::Tensor& w, int64_t heads) {
 // GPT-2's byte-to-character table (what a ByteLevel pre-tokenizer writes for each byte): the
 // printable bytes stand for themselves, the others for characters from U+0100 on.
 std::string byte_char(int b) {
-  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+  const auto printable = [](int x) {
+    return (x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF);
+  };
   int code = b;
-  if (!printable) {
-    int n = 0;
-    for (int x = 0; x < b; ++x)
-      if (!((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE && x <= 0xFF))) ++n;
-    code = 256 + n;
+  if (!printable(b)) {  // the next character from U+0100 on, in byte order
+    code = 256;
+    for (int x = 0; x < b; ++x) code += printable(x) ? 0 : 1;
   }
   std::string utf8;  // code < 0x800: one or two bytes
   if (code < 0x80) utf8 += static_cast<char>(code);
@@ -136,8 +136,14 @@ ExportedTokenizer write_tokenizer(const std::string& dir, const Config& run) {
   nlohmann::json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
                            {"model_max_length", run.model.max_seq_len},
                            {"clean_up_tokenization_spaces", false}};
-  if (bos) config["bos_token"] = bos->first, t.bos = bos->second;
-  if (eos) config["eos_token"] = eos->first, t.eos = eos->second;
+  if (bos) {
+    config["bos_token"] = bos->first;
+    t.bos = bos->second;
+  }
+  if (eos) {
+    config["eos_token"] = eos->first;
+    t.eos = eos->second;
+  }
   if (const auto unk = special(tokens, {"[UNK]", "<unk>"})) config["unk_token"] = unk->first;
   fs::write_file_synced(dir + "/tokenizer.json", json.dump() + "\n");
   fs::write_file_synced(dir + "/tokenizer_config.json", config.dump(2) + "\n");

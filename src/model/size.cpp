@@ -114,14 +114,14 @@ double compute_bytes(const Config& c) {
 // causal_attention takes (model.cpp): none through scaled_dot_product_attention's fused
 // kernels (a GPU; the CPU in fp32 without dropout), else softmax's fp32 output and the
 // probabilities in the compute dtype, and with dropout its mask and output as well.
-double kept_per_score(const Config& c, bool gpu) {
-  const bool fused = gpu || (compute_bytes(c) == 4 && c.model.dropout == 0);
-  return fused ? 0 : 4 + compute_bytes(c) * (c.model.dropout > 0 ? 2 : 1);
+double kept_per_score(const Config& c, bool gpu, bool dropout) {
+  const bool fused = gpu || (compute_bytes(c) == 4 && !dropout);
+  return fused ? 0 : 4 + compute_bytes(c) * (dropout ? 2 : 1);
 }
 
 // The same for one layer's scores in flight (the forward's and backward's temporaries).
-double passing_per_score(const Config& c, bool gpu) {
-  return kept_per_score(c, gpu) > 0 ? 8 + 2 * compute_bytes(c) : 0;
+double passing_per_score(const Config& c, bool gpu, bool dropout) {
+  return kept_per_score(c, gpu, dropout) > 0 ? 8 + 2 * compute_bytes(c) : 0;
 }
 
 double scores(const ModelSize& size, int64_t batch, int64_t seq_len) {
@@ -142,7 +142,7 @@ double activation_bytes_per_rank(const ModelSize& size, const Config& c, bool gp
                            (c.model.dropout > 0 ? 2.0 * dim : 0.0);
   const double layer_bytes = tokens * per_layer * compute +
                              scores(size, c.training.local_batch_size, c.training.seq_len) *
-                                 kept_per_score(c, gpu);
+                                 kept_per_score(c, gpu, c.model.dropout > 0);
   // A recomputed block keeps its input only (dim values a token), and one block's activations
   // exist again while it recomputes.
   const std::vector<bool> recompute = recomputed_blocks(c.activation_checkpoint, size.layers);
@@ -150,7 +150,7 @@ double activation_bytes_per_rank(const ModelSize& size, const Config& c, bool gp
   for (bool r : recompute) kept += r ? tokens * dim * compute : layer_bytes;
   if (std::find(recompute.begin(), recompute.end(), true) != recompute.end()) kept += layer_bytes;
   const double passing =
-      scores(size, c.training.local_batch_size, c.training.seq_len) * passing_per_score(c, gpu);
+      scores(size, c.training.local_batch_size, c.training.seq_len) * passing_per_score(c, gpu, c.model.dropout > 0);
   const double embedding_mask = c.model.dropout > 0 ? tokens * dim * compute : 0;
   return kept + passing + embedding_mask + tokens * 4.0 * static_cast<double>(c.model.vocab_size) * 4;
 }
@@ -162,14 +162,13 @@ double validation_bytes_per_rank(const ModelSize& size, const Config& c, bool gp
   const double tokens = static_cast<double>(batch * c.training.seq_len);
   // No backward: one layer's values in flight (and its scores) and the logits with their fp32
   // log-softmax, as training's output.
-  Config one = c;
-  one.model.dropout = 0;
   const bool llama = c.model.name == ModelName::kLlama;
   const double layer =
       tokens * ((llama ? 6.0 : 4.0) * static_cast<double>(c.model.dim) +
                 (llama ? 3.0 : 2.0) * static_cast<double>(size.ffn_hidden)) *
           compute_bytes(c) +
-      scores(size, batch, c.training.seq_len) * (kept_per_score(one, gpu) + passing_per_score(one, gpu));
+      scores(size, batch, c.training.seq_len) *  // evaluation runs without dropout
+          (kept_per_score(c, gpu, false) + passing_per_score(c, gpu, false));
   return layer + tokens * 2.0 * static_cast<double>(c.model.vocab_size) * 4;
 }
 
