@@ -1,5 +1,5 @@
 // The per-tensor actions of a step decided on the device (AdaGC's clip, SPAM's moment reset:
-// kernels/decision.h, "per tensor"), applied to the optimizer's tensors with no host read. Each
+// src/decide/core/, "per tensor"), applied to the optimizer's tensors with no host read. Each
 // target (a gradient or an AdamW moment, fp32) belongs to tensor `index` of the decision's list
 // and reads that tensor's value: kScaleBy multiplies its elements by it (1: untouched), kZeroIf
 // zeroes them when it is 1 (0: untouched). A target its value leaves alone costs the read of

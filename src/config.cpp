@@ -20,7 +20,7 @@
 
 #include <toml++/toml.h>
 
-#include "diag/fault.h"
+#include "fault.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
 #include "text.h"
@@ -426,7 +426,7 @@ void parallelism_fields(std::vector<Field>& t) {
                            "updates 1/W of the master weights and AdamW state, parameters "
                            "all-gathered; fsdp (ZeRO-3): parameters sharded too, each "
                            "transformer block's gathered just before its forward and its "
-                           "backward and freed after (llama only)"));
+                           "backward and freed after (a tied head keeps the embedding's unit)"));
   t.push_back(float_field("parallelism", "bucket_mb", &C::parallelism, &P::bucket_mb, 0.001, false,
                           1 << 16,
                           "MiB of gradient per collective call: ddp all-reduces buckets of "
@@ -972,20 +972,9 @@ void validate_overlap(const Config& c) {
         why));
 }
 
-// fsdp's units are llama's (the embeddings, each transformer block, the final norm with the
-// head), and no parameter is replicated for a desync to diverge.
+// fsdp keeps no replica of the parameters for a desync to diverge.
 void validate_fsdp(const Config& c) {
   if (c.parallelism.mode != ParallelMode::kFsdp) return;
-  if (c.model.name != ModelName::kLlama)
-    throw ConfigError(
-        "invalid value for 'parallelism.mode': \"fsdp\" shards llama's units, and model.name = "
-        "\"gpt\" ties its head to its embedding across them; use model.name = \"llama\" or "
-        "parallelism.mode = \"sharded\"");
-  if (c.model.tie_embeddings)
-    throw ConfigError(
-        "invalid value for 'parallelism.mode': \"fsdp\" shards llama's units, and "
-        "model.tie_embeddings = true ties the head to the embedding across them; use "
-        "parallelism.mode = \"sharded\" (or \"ddp\")");
   for (const auto& f : parse_fault_inject(c.fault.inject))
     if (f.kind == FaultKind::kDesync || f.kind == FaultKind::kNanWeight)
       throw ConfigError(fmt::format(

@@ -33,13 +33,13 @@ void judge_model(Job& job, Verdict& v) {
 void abort_run(Job& job, const Event& e, const Verdict& v) {
   log::flush();
   std::string saved = "no checkpoint (checkpoint.enable = false)";
-  if (v.cause == kCauseModel)  // its parameters are what went wrong: nothing to keep
+  if (v.why == core::kNonfiniteParameters)  // its parameters went wrong: nothing to keep
     saved = "nothing saved (the parameters are nonfinite)";
   else if (job.config.checkpoint.enable && job.state.step > 0)
     saved = "last good state saved in " + save_checkpoint(job);
   throw TrainingAborted(abort_message(e, saved, job.run_dir),
-                        v.guard == "skip.on_hardware_fault = abort" ? ExitCode::kHardwareFault
-                                                                    : ExitCode::kTrainingAborted);
+                        v.why == core::kHardwareFaultAbort ? ExitCode::kHardwareFault
+                                                           : ExitCode::kTrainingAborted);
 }
 
 [[noreturn]] void stop(Job& job, bool saved) {
@@ -79,7 +79,7 @@ void validate(Job& job, Progress& progress) {
   progress.validation_done(job.state.step, v.loss, v.perplexity, v.samples, v.seconds);
 }
 
-void advance(Job& job, const Verdict& v, int64_t data_position) {
+void count_step(Job& job, const Verdict& v, int64_t data_position) {
   if (v.interrupted) return;  // the step did not happen: no window, guard or counter moves
   for (int r : v.hardware_suspects) job.suspects[r].push_back(job.state.step + 1);
   job.judge->record(job.state, v, job.tokens_per_step, data_position);
@@ -91,7 +91,7 @@ void warn_overflow(int64_t step, const Verdict& v) {
                      step, v.grad_norm);
 }
 
-AfterStep after_of(const Job& job, int64_t n) {
+AfterStep work_after(const Job& job, int64_t n) {
   const Config& c = job.config;
   const int64_t every = c.diagnostics.verify_every;
   AfterStep a;
@@ -111,9 +111,9 @@ bool after_step(Job& job, Progress& progress, TrainResult& result, const StepRes
                      job.state.step + 1, job.state.step);
     // The last completed step's checkpoint exists when this process resumed from it or saved it.
     const int64_t at = job.state.step;
-    stop(job, at == 0 || at == result.start_step || after_of(job, at).save);
+    stop(job, at == 0 || at == result.start_step || work_after(job, at).save);
   }
-  const AfterStep a = after_of(job, job.state.step);
+  const AfterStep a = work_after(job, job.state.step);
   result.losses.push_back(r.verdict.loss);
   job.stragglers->add(r.compute_seconds);
   if (job.stragglers->newly_named())

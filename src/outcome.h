@@ -23,7 +23,7 @@ struct StepResult {
 };
 
 // The decided step's counters and state; `data_position`: the sampler's after its batch.
-void advance(Job& job, const Verdict& v, int64_t data_position);
+void count_step(Job& job, const Verdict& v, int64_t data_position);
 
 // A warning when the gradient's squares overflowed fp32 (summed in fp64) with nothing nonfinite.
 void warn_overflow(int64_t step, const Verdict& v);
@@ -34,7 +34,7 @@ struct AfterStep {
   bool log = false, validate = false, verify = false, save = false, last = false;
   bool any() const { return log || validate || verify || save || last; }
 };
-AfterStep after_of(const Job& job, int64_t n);
+AfterStep work_after(const Job& job, int64_t n);
 
 // After a step: progress, validate, verify, save; a stop (unless `may_stop` is false: the
 // device loop then finishes the step after it first). Returns whether a stop was asked.

@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "lockstep/decision.h"
+#include "decide/verdict.h"
 
 namespace lockstep {
 

@@ -13,7 +13,7 @@
 // a lag: at once when the host decides (lag 0), or a step later when the device decides
 // (skip.device_decision, lag 1: a clean step never waits for the host; finish reads the copied
 // table, and the judge decides the same on the host and checks the device agreed). A step whose
-// state the host needs (after_of) is finished at once either way.
+// state the host needs (work_after) is finished at once either way.
 //
 // job.cpp builds every component from the config; each component owns its algorithm.
 #include "lockstep/train.h"
@@ -167,7 +167,7 @@ Issued issue(Job& job, int64_t step, double lr) {
 // the copied table (the device's state is the host's, bit for bit) and checks the device agreed.
 StepResult read_device_verdict(Job& job, Issued& i) {
   const auto start = Clock::now();
-  const StepJudge::Late late = job.judge->read(i.step);  // the device agreed (else it throws)
+  const StepJudge::Checked late = job.judge->read(i.step);  // the device agreed (else it throws)
   StepResult r{late.verdict, i.lr};
   i.s.costs.decision += seconds_since(start);
   r.compute_seconds = compute_times(late.table);
@@ -184,12 +184,12 @@ StepResult read_device_verdict(Job& job, Issued& i) {
 StepResult finish(Job& job, Issued& i) {
   StepResult r = i.decided ? std::move(*i.decided) : read_device_verdict(job, i);
   r.costs = i.s.costs;
-  advance(job, r.verdict, i.data_position);
+  count_step(job, r.verdict, i.data_position);
   return r;
 }
 
 // The loop: issue step n, finish the step before it if it waited, then step n at once when the
-// host decides, when the host needs it (after_of: a log, checkpoint, validation or verify step,
+// host decides, when the host needs it (work_after: a log, checkpoint, validation or verify step,
 // the last) or after a stop request; its host syncs watched from the third step of this process.
 void run(Job& job, Progress& progress, TrainResult& result) {
   job.startup_signals.reset();  // from here a stop signal ends the run at a step boundary
@@ -200,7 +200,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
   std::unique_ptr<Issued> late;  // the step issued but not yet finished (lag 1)
   bool stopping = false;
   for (int64_t n = first + 1; n <= job.config.training.steps; ++n) {
-    const bool now = !lag || stopping || after_of(job, n).any();
+    const bool now = !lag || stopping || work_after(job, n).any();
     std::optional<SyncWatch> watch;
     if (n >= first + 3 && (!lag || !now)) watch.emplace(true);
     Issued issued = issue(job, n, next_lr(job.schedule, n - 1, job.state.optimizer_steps));

@@ -51,7 +51,7 @@ TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
   const double bound = d.window().grad_norm_mean + 4 * d.window().grad_norm_std;
   Verdict v = d.decide(healthy(4, 74.0, 3.0));  // grad norm 74 against ~0.8, on every rank
   EXPECT_EQ(v.decision, Decision::kClip);
-  EXPECT_EQ(v.scope, "global");
+  EXPECT_EQ(v.scope, core::kGlobal);
   EXPECT_EQ(v.cause, kCauseInstability);
   EXPECT_TRUE(v.culprit_ranks.empty());
   EXPECT_DOUBLE_EQ(v.clip_to, bound);
@@ -70,7 +70,7 @@ TEST(Scope, ASpikeOnOneRankOfFourIsLocalAndSkippedNamingIt) {
   ranks[2].shard_sumsq += 74.0 * 74.0 / 16;
   Verdict v = d.decide(ranks);
   EXPECT_EQ(v.decision, Decision::kSkip);
-  EXPECT_EQ(v.scope, "local");
+  EXPECT_EQ(v.scope, core::kLocal);
   EXPECT_EQ(v.culprit_ranks, std::vector<int>{2});
   EXPECT_GT(v.rank_grad_norm_z[2], 4);
   EXPECT_LT(v.rank_grad_norm_z[0], 4);
@@ -85,7 +85,7 @@ TEST(Scope, OnGlobalSpikeSkipOrAbortAsConfigured) {
     warm_up(d, 2, 10);
     Verdict v = d.decide(healthy(2, 50.0, 3.0));
     EXPECT_EQ(v.decision, expected);
-    EXPECT_EQ(v.scope, "global");
+    EXPECT_EQ(v.scope, core::kGlobal);
     if (expected == Decision::kAbort) {
       EXPECT_EQ(v.guard, "skip.on_global_spike = abort");
     }
@@ -98,7 +98,7 @@ TEST(Scope, ANonfiniteGradientOnEveryRankIsSkippedNotClipped) {
   for (auto& r : ranks) r.local_nonfinite = r.shard_nonfinite = 3;
   Verdict v = d.decide(ranks);
   EXPECT_EQ(v.decision, Decision::kSkip);
-  EXPECT_EQ(v.scope, "global");
+  EXPECT_EQ(v.scope, core::kGlobal);
   EXPECT_TRUE(v.culprit_ranks.empty());
 }
 
@@ -108,14 +108,14 @@ TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   auto ranks = healthy(4, 0.8, 3.0);
   ranks[2].loss = kNaN;  // dropped before the sync: its loss is left out of the mean
   ranks[2].bad_samples = 1;
-  Triage salvage{{2}, {"nonfinite_loss"}, {2}, {}, kCauseData, {}};
+  Triage salvage{{2}, core::kNonfiniteLoss, {2}, {}, kCauseData, {}};
   Verdict s = d.decide(ranks, salvage);
   EXPECT_EQ(s.decision, Decision::kSalvage);
   EXPECT_DOUBLE_EQ(s.loss, 3.0);
-  EXPECT_EQ(s.reasons, std::vector<std::string>{"nonfinite_loss"});
+  EXPECT_EQ(s.reasons, core::kNonfiniteLoss);
   EXPECT_TRUE(s.anomalous() && s.updates());
 
-  Triage repaired{{1}, {"nonfinite_grad"}, {}, {}, kCauseTransient, {1}};
+  Triage repaired{{1}, core::kNonfiniteGrad, {}, {}, kCauseTransient, {1}};
   Verdict r = d.decide(healthy(4, 0.8, 3.0), repaired);
   EXPECT_EQ(r.decision, Decision::kStep);
   EXPECT_TRUE(r.anomalous()) << "the event is written";
@@ -123,9 +123,10 @@ TEST(Scope, TriageOutcomesBecomeSalvageRepairedStepAndHardwareAbort) {
   SkipConfig c = policy();
   c.on_hardware_fault = OnHardwareFault::kAbort;
   SkipDetector strict(c);
-  Triage hardware{{1}, {"nonfinite_grad"}, {1}, {}, kCauseHardware, {1}};
+  Triage hardware{{1}, core::kNonfiniteGrad, {1}, {}, kCauseHardware, {1}};
   Verdict h = strict.decide(healthy(4, 0.8, 3.0), hardware);
   EXPECT_EQ(h.decision, Decision::kAbort);
+  EXPECT_EQ(h.why, core::kHardwareFaultAbort);
   EXPECT_EQ(h.guard, "skip.on_hardware_fault = abort");
 }
 

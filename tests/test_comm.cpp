@@ -54,8 +54,7 @@ TEST(CommGloo, CollectivesGiveExactValues) {
       auto wx = c.all_reduce_sum_async(x);
       auto wy = c.all_reduce_sum_async(y);
       at::Tensor g = at::empty({size, 2}, at::kLong);
-      auto wg = c.all_gather_async(at::full({2}, 7 * c.rank(), at::kLong),
-                                   std::vector<at::Tensor>{g.unbind(0)});
+      auto wg = c.all_gather_async(at::full({2}, 7 * c.rank(), at::kLong), g);
       wy->wait();
       wx->wait();
       wg->wait();

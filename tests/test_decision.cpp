@@ -1,4 +1,4 @@
-// There is one decision (kernels/decision.h): the host's SkipDetector holds the core's state and
+// There is one decision (src/decide/core/): the host's SkipDetector holds the core's state and
 // calls the core, adding names; decide_step, the form the device runs (decide_global on one
 // thread, then record_rank per rank), must take the host's decisions bit for bit over long
 // random runs with faults on one rank and spikes on all, guards and fp16 loss scaling, under
@@ -13,11 +13,13 @@
 #include <limits>
 #include <vector>
 
+#include "decide/core/step.h"
+#include "decide/core/tensors.h"
 #include "decide/detector.h"
 #include "decide/device_decision.h"
 #include "decide/exchange.h"
+#include "decide/names.h"
 #include "detector_util.h"
-#include "kernels/decision.h"
 #include "optim/adamw.h"
 
 using namespace lockstep;
@@ -29,22 +31,22 @@ bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; 
 // A device-style state: its rings in a host vector.
 struct DeviceState {
   std::vector<double> rings;
-  kernels::DecideState s;
+  core::DecideState s;
   DeviceState(int64_t window, int64_t fraction_window, int world, double scale)
-      : rings(kernels::decide_state_doubles(window, fraction_window, world), 0.0),
-        s(kernels::fresh_decide_state(rings.data(), window, fraction_window, world, scale)) {}
+      : rings(core::decide_state_doubles(window, fraction_window, world), 0.0),
+        s(core::fresh_decide_state(rings.data(), window, fraction_window, world, scale)) {}
 };
 
 // The host guard's name for the core's `why`.
-std::string guard_prefix(int32_t why) {
+std::string guard_prefix(core::Why why) {
   switch (why) {
-    case kernels::kMaxConsecutive: return "skip.max_consecutive";
-    case kernels::kMaxFraction: return "skip.max_fraction";
-    case kernels::kMaxSeconds: return "skip.max_consecutive_seconds";
-    case 10 + kernels::kMaxOverflows: return "training.loss_scale_max_overflows";
-    case 10 + kernels::kScaleMin: return "training.loss_scale_min";
-    case kernels::kSkipDisabled: return "skip.enabled = false";
-    case kernels::kGlobalSpikeAbort: return "skip.on_global_spike = abort";
+    case core::kMaxConsecutive: return "skip.max_consecutive";
+    case core::kMaxFraction: return "skip.max_fraction";
+    case core::kMaxSeconds: return "skip.max_consecutive_seconds";
+    case core::kMaxOverflows: return "training.loss_scale_max_overflows";
+    case core::kScaleMin: return "training.loss_scale_min";
+    case core::kSkipDisabled: return "skip.enabled = false";
+    case core::kGlobalSpikeAbort: return "skip.on_global_spike = abort";
     default: return "";
   }
 }
@@ -71,7 +73,7 @@ void expect_same_state(const DeviceState& dev, const SkipDetector& detector, int
   EXPECT_EQ(std::memcmp(host.rings.data(), dev.rings.data(), dev.rings.size() * sizeof(double)),
             0)
       << at;
-  const kernels::DecideState& h = host.s;
+  const core::DecideState& h = host.s;
   for (const auto& [d, w] : {std::pair{dev.s.grad_norms, h.grad_norms},
                              std::pair{dev.s.losses, h.losses}, std::pair{dev.s.recent, h.recent}})
     EXPECT_TRUE(d.head == w.head && d.size == w.size) << at;
@@ -90,15 +92,15 @@ void expect_same_state(const DeviceState& dev, const SkipDetector& detector, int
 
 // One step decided both ways; false after an abort (the run ends).
 bool decide_both(const std::vector<RankStats>& table, SkipDetector& detector, DeviceState& dev,
-                 const TrainingConfig& training, const kernels::DecideConfig& config, Counts& n,
+                 const TrainingConfig& training, const core::DecideConfig& config, Counts& n,
                  const std::string& at) {
   const int world = static_cast<int>(table.size());
   const Verdict v = detector.decide(table);
-  std::vector<double> flat(table.size() * kernels::kStatsDoubles);
+  std::vector<double> flat(table.size() * core::kStatsDoubles);
   std::memcpy(flat.data(), table.data(), flat.size() * sizeof(double));
-  kernels::DecideResult r{};
+  core::DecideResult r{};
   float found_inf = -1, grad_scale = -1;
-  kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
+  core::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
 
   EXPECT_TRUE(same_bits(r.grad_norm, v.grad_norm)) << at;
   EXPECT_TRUE(same_bits(r.loss, v.loss)) << at;
@@ -107,28 +109,29 @@ bool decide_both(const std::vector<RankStats>& table, SkipDetector& detector, De
   EXPECT_TRUE(same_bits(r.loss_scale, v.loss_scale)) << at;
   EXPECT_EQ(r.overflow != 0, v.overflow) << at;
   const Decision taken = r.clipped ? Decision::kClip : Decision::kStep;
-  const Decision want = r.outcome == kernels::kTake       ? taken
-                        : r.outcome == kernels::kSkipStep ? Decision::kSkip
-                                                          : Decision::kAbort;
+  const Decision want = r.outcome == core::kTake       ? taken
+                        : r.outcome == core::kSkipStep ? Decision::kSkip
+                                                       : Decision::kAbort;
   EXPECT_EQ(decision_name(want), std::string(decision_name(v.decision))) << at;
   const bool take = v.decision == Decision::kStep || v.decision == Decision::kClip;
   EXPECT_EQ(found_inf, take ? 0.0f : 1.0f) << at;
   if (v.decision == Decision::kAbort) {
-    EXPECT_FALSE(guard_prefix(r.why).empty()) << at << ": why " << r.why;
+    EXPECT_EQ(v.why, r.why) << at;
+    EXPECT_FALSE(guard_prefix(r.why).empty()) << at << ": why " << static_cast<int>(r.why);
     EXPECT_EQ(v.guard.rfind(guard_prefix(r.why), 0), 0u) << at << ": " << v.guard;
     // Sticky: whatever comes next, nothing is updated.
-    kernels::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
-    EXPECT_EQ(r.outcome, kernels::kAbortRun) << at;
-    EXPECT_EQ(r.why, kernels::kStickyAbort) << at;
+    core::decide_step(flat.data(), world, dev.s, config, r, &found_inf, &grad_scale);
+    EXPECT_EQ(r.outcome, core::kAbortRun) << at;
+    EXPECT_EQ(r.why, core::kStickyAbort) << at;
     EXPECT_EQ(found_inf, 1.0f) << at;
     ++n.aborted;
-    n.global_aborts += v.guard == "skip.on_global_spike = abort";
-    n.seconds_aborts += v.guard.starts_with("skip.max_consecutive_seconds") ? 1 : 0;
+    n.global_aborts += v.why == core::kGlobalSpikeAbort ? 1 : 0;
+    n.seconds_aborts += v.why == core::kMaxSeconds ? 1 : 0;
     return false;
   }
   // The clip the trainer applies (the verdict's), against training.max_norm by hand.
   const double clip =
-      take ? clip_coefficient(v.grad_norm, kernels::clip_limit(v.clip_to, training.max_norm))
+      take ? clip_coefficient(v.grad_norm, core::clip_limit(v.clip_to, training.max_norm))
            : 1.0;
   EXPECT_TRUE(same_bits(v.clip, clip)) << at;
   EXPECT_TRUE(same_bits(r.clip_to, v.clip_to)) << at;
@@ -175,7 +178,7 @@ TEST(DecisionCore, TheDeviceDecisionIsTheHostDecisionBitForBit) {
       training.loss_scale_min = 128;
       training.max_norm = 1.0;
       // The trainer's mapping of the config (the device decision uses the same).
-      const kernels::DecideConfig config = decide_config(cfg, training);
+      const core::DecideConfig config = decide_config(cfg, training);
       const std::string what = std::to_string(world) + " ranks, skip " +
                                (policy.enabled ? "on, " : "off, ") + policy.scaling + ", " +
                                std::string(name_of(policy.on_global_spike)) + ", " +

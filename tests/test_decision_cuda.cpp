@@ -1,4 +1,4 @@
-// The decision's shared core as the device kernel (kernels/decision.cu) against the
+// The decision's shared core as the device kernel (kernels/decide_step.cu) against the
 // same code on the host: every number, the outcome, found_inf, grad_scale, and the windows,
 // guards and loss scale each step advances, bit for bit; an abort stays sticky on the device;
 // the per-tensor policies' kernel (AdaGC's factors, SPAM's resets, the thresholds) after it, and
@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "decide/core/step.h"
+#include "decide/core/tensors.h"
 #include "detector_util.h"
-#include "kernels/decision.h"
+#include "kernels/decide_step.h"
 #include "kernels/tensor_actions.h"
 
 using namespace lockstep;
@@ -36,7 +38,7 @@ int steps_per_run() {
 }
 
 // Field by field (the struct's padding is not written by the kernel).
-bool same(const kernels::DecideResult& a, const kernels::DecideResult& b) {
+bool same(const core::DecideResult& a, const core::DecideResult& b) {
   return same_bits(a.grad_norm, b.grad_norm) && same_bits(a.loss, b.loss) &&
          same_bits(a.grad_norm_z, b.grad_norm_z) && same_bits(a.loss_z, b.loss_z) &&
          same_bits(a.clip, b.clip) && same_bits(a.loss_scale, b.loss_scale) &&
@@ -62,7 +64,7 @@ struct Counts {
 // than the kernel's 256 threads), AdaGC and the reset on.
 struct Tensors {
   static constexpr int kTensors = 300;
-  kernels::TensorRule rule{1, 1, 1.05, 0.98, 5};
+  core::TensorRule rule{1, 1, 1.05, 0.98, 5};
   int64_t taken = 0;
   std::vector<double> gamma = std::vector<double>(kTensors, 0.0);
   double *sums = nullptr, *dev_gamma = nullptr;
@@ -108,28 +110,28 @@ struct Tensors {
 // 3000 random steps of `world` ranks under `on_global_spike`, decided by the kernel and by the
 // same code on the host: the same result, flags and state (every window, every rank's own
 // included), step by step.
-Counts expect_kernel_is_host(int world, int32_t on_global_spike) {
-  kernels::DecideConfig config{{true, 40, 6, 6}, 8, 1.0, {true, true, 2, 0.5, 7}, 20, 128,
-                               2, 0.1, kFractionWindow};
+Counts expect_kernel_is_host(int world, core::GlobalSpike on_global_spike) {
+  core::DecideConfig config{{true, 40, 6, 6}, 8, 1.0, {true, true, 2, 0.5, 7}, 20, 128,
+                            2, 0.1, kFractionWindow};
   config.on_global_spike = on_global_spike;
-  const int64_t ring_doubles = kernels::decide_state_doubles(kWindow, kFractionWindow, world);
+  const int64_t ring_doubles = core::decide_state_doubles(kWindow, kFractionWindow, world);
   double* rings = device_doubles(ring_doubles);
-  double* table = device_doubles(world * kernels::kStatsDoubles);
+  double* table = device_doubles(world * core::kStatsDoubles);
   void* p = nullptr;
-  ok(cudaMalloc(&p, sizeof(kernels::DecideState)));
-  auto* dev = static_cast<kernels::DecideState*>(p);
-  ok(cudaMalloc(&p, sizeof(kernels::DecideResult)));
-  auto* result = static_cast<kernels::DecideResult*>(p);
+  ok(cudaMalloc(&p, sizeof(core::DecideState)));
+  auto* dev = static_cast<core::DecideState*>(p);
+  ok(cudaMalloc(&p, sizeof(core::DecideResult)));
+  auto* result = static_cast<core::DecideResult*>(p);
   ok(cudaMalloc(&p, 2 * sizeof(float)));
   auto* flags = static_cast<float*>(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   std::vector<double> host_rings;
-  kernels::DecideState host{};
+  core::DecideState host{};
   const auto restart = [&] {  // a fresh state on the host and its twin on the device
     host_rings.assign(ring_doubles, 0.0);
-    host = kernels::fresh_decide_state(host_rings.data(), kWindow, kFractionWindow, world, 1024);
-    const kernels::DecideState d =
-        kernels::fresh_decide_state(rings, kWindow, kFractionWindow, world, 1024);
+    host = core::fresh_decide_state(host_rings.data(), kWindow, kFractionWindow, world, 1024);
+    const core::DecideState d =
+        core::fresh_decide_state(rings, kWindow, kFractionWindow, world, 1024);
     ok(cudaMemcpy(dev, &d, sizeof d, cudaMemcpyHostToDevice));
     ok(cudaMemcpy(rings, host_rings.data(), host_rings.size() * sizeof(double),
                   cudaMemcpyHostToDevice));
@@ -141,12 +143,12 @@ Counts expect_kernel_is_host(int world, int32_t on_global_spike) {
   Counts n;
   for (int step = 1; step <= steps_per_run() && !::testing::Test::HasFailure(); ++step) {
     const auto t = test::random_step(rng, world, host.scale.scale);
-    std::vector<double> flat(t.size() * kernels::kStatsDoubles);
+    std::vector<double> flat(t.size() * core::kStatsDoubles);
     std::memcpy(flat.data(), t.data(), flat.size() * sizeof(double));
     ok(cudaMemcpy(table, flat.data(), flat.size() * sizeof(double), cudaMemcpyHostToDevice));
-    kernels::DecideResult want{}, got{};
+    core::DecideResult want{}, got{};
     float want_flags[2], got_flags[2];
-    kernels::decide_step(flat.data(), world, host, config, want, &want_flags[0], &want_flags[1]);
+    core::decide_step(flat.data(), world, host, config, want, &want_flags[0], &want_flags[1]);
     EXPECT_EQ(kernels::launch_decide_step(table, world, dev, config, result, flags, flags + 1,
                                           stream),
               0);
@@ -165,9 +167,9 @@ Counts expect_kernel_is_host(int world, int32_t on_global_spike) {
     ok(cudaMemcpy(tensors.sums, sums.data(), sums.size() * sizeof(double),
                   cudaMemcpyHostToDevice));
     std::vector<float> want_t(2 * kT), got_t(2 * kT);
-    kernels::decide_tensors(flat.data(), world, sums.data(), kT, host, config, tensors.rule, want,
-                            tensors.taken, tensors.gamma.data(), want_t.data(),
-                            want_t.data() + kT);
+    core::decide_tensors(flat.data(), world, sums.data(), kT, host, config, tensors.rule, want,
+                         tensors.taken, tensors.gamma.data(), want_t.data(),
+                         want_t.data() + kT);
     EXPECT_EQ(kernels::launch_decide_tensors(table, world, tensors.sums, kT, dev, config,
                                              tensors.rule, result, tensors.dev_taken,
                                              tensors.dev_gamma, tensors.dev_flags,
@@ -190,9 +192,9 @@ Counts expect_kernel_is_host(int world, int32_t on_global_spike) {
       n.tensor_clips += want_t[i] != 1.0f;
       n.resets += want_t[kT + i] != 0.0f;
     }
-    n.skips += want.outcome == kernels::kSkipStep;
+    n.skips += want.outcome == core::kSkipStep;
     n.clips += want.clipped;
-    if (want.outcome == kernels::kAbortRun) {
+    if (want.outcome == core::kAbortRun) {
       ++n.aborts;
       restart();
       tensors.restart();
@@ -211,9 +213,9 @@ TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
   for (int world : {4, 40}) {
     SCOPED_TRACE(std::to_string(world) + " ranks");
-    const Counts clip = expect_kernel_is_host(world, kernels::kSpikeClip);
-    const Counts abort = expect_kernel_is_host(world, kernels::kSpikeAbort);
-    const Counts skip = expect_kernel_is_host(world, kernels::kSpikeSkip);
+    const Counts clip = expect_kernel_is_host(world, core::kSpikeClip);
+    const Counts abort = expect_kernel_is_host(world, core::kSpikeAbort);
+    const Counts skip = expect_kernel_is_host(world, core::kSpikeSkip);
     if (steps_per_run() < 3000) continue;  // shortened: every path need not have been taken
     EXPECT_GT(clip.skips, 50);
     EXPECT_GT(clip.clips, 20);

@@ -47,8 +47,8 @@ Verdict taken(double clip = 1.0) {
 Verdict global_spike_skip() {
   Verdict v;
   v.decision = Decision::kSkip;
-  v.scope = "global";
-  v.reasons = {"grad_norm_spike"};
+  v.scope = core::kGlobal;
+  v.reasons = core::kGradNormSpike;
   return v;
 }
 
@@ -122,10 +122,10 @@ TEST(SpikeReset, AGlobalSpikeResetsTheMomentsOfTheTensorsItHit) {
   clip.clip = 0.1;
   EXPECT_EQ(p.decide({30.0, 1.0, 1.0}, clip).reset, (std::unordered_set<std::string>{"a"}));
   Verdict local = global_spike_skip();
-  local.scope = "local";
+  local.scope = core::kLocal;
   EXPECT_TRUE(p.decide({30.0, 30.0, 30.0}, local).reset.empty());
   Verdict nan = global_spike_skip();
-  nan.reasons = {"nonfinite_grad", "grad_norm_spike"};
+  nan.reasons = core::kNonfiniteGrad | core::kGradNormSpike;
   EXPECT_TRUE(p.decide({30.0, 30.0, 30.0}, nan).reset.empty());
 }
 

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "decide/detector.h"
+#include "decide/names.h"
 #include "lockstep/config.h"
 #include "test_util.h"
 
@@ -57,7 +58,7 @@ TEST(PyTorchPackage, DecidesAsTheHarnessOnARecordedSequence) {
     ++steps;
     SCOPED_TRACE("step " + std::to_string(steps));
     ASSERT_EQ(decision_name(v.decision), j.at("decision").get<std::string>());
-    EXPECT_EQ(v.reasons, j.at("reasons").get<std::vector<std::string>>());
+    EXPECT_EQ(reason_names(v.reasons), j.at("reasons").get<std::vector<std::string>>());
     EXPECT_EQ(v.culprit_ranks, j.at("culprits").get<std::vector<int>>());
     EXPECT_EQ(v.guard, j.at("guard").get<std::string>());
     EXPECT_EQ(bits_of(v.grad_norm), j.at("grad_norm").get<int64_t>());

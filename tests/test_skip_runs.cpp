@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "diag/fault.h"
+#include "fault.h"
 #include "lockstep/config.h"
 #include "lockstep/data.h"
 #include "lockstep/error.h"

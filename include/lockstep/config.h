@@ -278,7 +278,7 @@ struct DiagnosticsConfig {
   int64_t straggler_window = 50;  // steps of compute times compared (medians)
 };
 
-// Fault injection for tests and demos (src/diag/fault.h has the grammar of these strings).
+// Fault injection for tests and demos (src/fault.h has the grammar of these strings).
 struct FaultConfig {
   std::string inject = "";      // "KIND@STEP:RANK, ..."
   double spike_factor = 1000;   // a spike multiplies the loss (and so the gradient) by this

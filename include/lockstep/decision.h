@@ -1,5 +1,5 @@
-// The decision types: what each rank contributes to a step's decision, and the verdict every
-// rank derives from all contributions alike (src/decide/detector.h computes it). Plain C++.
+// What each rank contributes to a step's decision and what the decision costs (the verdict every
+// rank derives from them is src/decide/verdict.h). Plain C++.
 #pragma once
 
 #include <cstdint>
@@ -25,12 +25,7 @@ struct RankStats {
                                // skip.max_consecutive_seconds' count); 0 = not measured
 };
 static_assert(sizeof(RankStats) == 72, "one step's stats are 72 bytes per rank");
-constexpr int kRankStatsDoubles = 9;
-
-// step; skip (nothing changes); abort; clip (a global spike, taken clipped to the window's
-// bound); salvage (some ranks' contributions dropped before the sync, the rest stepped).
-enum class Decision { kStep, kSkip, kAbort, kClip, kSalvage };
-const char* decision_name(Decision d);  // "step", "skip", "abort", "clip", "salvage"
+constexpr int kRankStatsDoubles = 9;  // decide/verdict.h asserts each field against the core
 
 // What recomputing one rank's batch found (skip.replay, diagnostics.replay_every): the same
 // micro-batches, data faults and dropout masks, on the rank itself or on a peer.
@@ -51,43 +46,6 @@ inline constexpr const char* kCauseTransient = "transient_fault";
 inline constexpr const char* kCauseHardware = "hardware";
 inline constexpr const char* kCauseInstability = "instability";
 inline constexpr const char* kCauseModel = "model";
-
-struct Verdict {
-  Decision decision = Decision::kStep;
-  std::vector<std::string> reasons;  // nonfinite_grad, nonfinite_loss, grad_norm_above_max,
-                                     // grad_norm_spike, loss_spike; loss_scale_overflow alone
-  std::string guard;                 // set when a guard turned a skip into an abort
-  double grad_norm = 0;              // global, unscaled, before clipping; NaN when nonfinite > 0
-  double nonfinite = 0;              // global nonfinite gradient elements
-  double loss = 0;                   // global (mean over ranks)
-  bool stop = false;                 // some rank asks to stop after this step (a signal)
-  bool interrupted = false;          // a stop cut some rank's step short: nothing of it lands,
-                                     // nothing is counted, the run stops at the step before
-  double overflow_runs = 0;
-  double grad_norm_z = 0, loss_z = 0;  // NaN while the window is too short or the test is off
-  std::vector<int> culprit_ranks;      // local anomalies only: the ranks that stand out
-  double loss_scale = 1;               // the scale this step's gradients carry (fp16)
-  bool overflow = false;               // loss_scale_overflow: an fp16 overflow, not bad data
-  std::string scope;                   // "local" (a minority of ranks), "global", or ""
-  std::string cause;                   // kCause*, "" when unknown (no replay)
-  std::vector<double> rank_grad_norm, rank_loss;      // each rank's own values (unscaled)
-  std::vector<double> rank_grad_norm_z, rank_loss_z;  // ... against its own window (anomalous
-                                                      // steps only: their events show them)
-  std::vector<int> dropped_ranks;      // salvage: contributed nothing to the sync
-  std::vector<ReplayResult> replays;
-  std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed
-  double clip_to = 0;                  // clip: the grad norm the step is clipped to
-  double clip = 1;                     // a taken step's update is scaled by this (<= 1)
-  double compute_seconds = 0;          // the slowest rank's compute (skip.max_consecutive_seconds)
-  // The per-tensor policies' part (decide/tensor_policies.h), on the same table everywhere:
-  int64_t tensors_clipped = 0;             // AdaGC scaled this many tensors down
-  std::vector<std::string> moments_reset;  // a global spike hit these: their moments zeroed
-  // Something to explain: not a plain step (a transient fault repaired by a replay, or a probe
-  // mismatch, is a step with reasons).
-  bool anomalous() const { return decision != Decision::kStep || !reasons.empty(); }
-  bool updates() const { return decision == Decision::kStep || decision == Decision::kClip ||
-                                decision == Decision::kSalvage; }
-};
 
 // What a step's decision machinery cost, in seconds (the metrics average it per step).
 struct StepCosts {

@@ -1,7 +1,7 @@
 // lockstep._C: the harness's own check, decision, counters and events, bound for PyTorch trainers
 // (python/lockstep/torch.py). Nothing here decides or checks anything itself: GradCheck
 // (src/check), SkipDetector, TensorPolicies and DeviceDecision (src/decide, over
-// kernels/decision.h), count()
+// src/decide/core/), count()
 // (src/run_state), Explainer and the event schema (src/diag) and the config reader
 // (src/config.cpp) are the files the harness is built from. This file converts types.
 #include <torch/extension.h>
@@ -18,6 +18,7 @@
 #include "check/gradcheck.h"
 #include "decide/exchange.h"
 #include "decide/judge.h"
+#include "decide/names.h"
 #include "diag/event.h"
 #include "diag/explain.h"
 #include "lockstep/config.h"
@@ -127,7 +128,7 @@ class Core {
   // the same table (the per-tensor part too); they must agree bit for bit (else an error
   // naming both).
   std::pair<Verdict, at::Tensor> read_device(int64_t step) {
-    StepJudge::Late late = judge_.read(step);
+    StepJudge::Checked late = judge_.read(step);
     return {std::move(late.verdict), table_of(late.table)};
   }
 
@@ -268,7 +269,8 @@ void bind_verdict(py::module_& m) {
   py::class_<Verdict>(m, "Verdict")
       .def_property_readonly("decision",
                              [](const Verdict& v) { return std::string(decision_name(v.decision)); })
-      .def_readonly("reasons", &Verdict::reasons)
+      .def_property_readonly("reasons",
+                             [](const Verdict& v) { return reason_names(v.reasons); })
       .def_readonly("guard", &Verdict::guard)
       .def_readonly("grad_norm", &Verdict::grad_norm)
       .def_readonly("nonfinite", &Verdict::nonfinite)
@@ -277,7 +279,8 @@ void bind_verdict(py::module_& m) {
       .def_readonly("grad_norm_z", &Verdict::grad_norm_z)
       .def_readonly("loss_z", &Verdict::loss_z)
       .def_readonly("culprit_ranks", &Verdict::culprit_ranks)
-      .def_readonly("scope", &Verdict::scope)
+      .def_property_readonly("scope",
+                             [](const Verdict& v) { return std::string(scope_name(v.scope)); })
       .def_readonly("cause", &Verdict::cause)
       .def_readonly("clip_to", &Verdict::clip_to)
       .def_readonly("clip", &Verdict::clip)
@@ -288,8 +291,8 @@ void bind_verdict(py::module_& m) {
       .def_property_readonly("anomalous", &Verdict::anomalous)
       .def("__repr__", [](const Verdict& v) {
         return fmt::format("Verdict({}, reasons=[{}], grad_norm={:.6g}, loss={:.6g}, clip={:.6g})",
-                           decision_name(v.decision), fmt::join(v.reasons, ", "), v.grad_norm,
-                           v.loss, v.clip);
+                           decision_name(v.decision), fmt::join(reason_names(v.reasons), ", "),
+                           v.grad_norm, v.loss, v.clip);
       });
 
 }
@@ -388,10 +391,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "lockstep's check and decision (the harness's sources), for PyTorch trainers";
   py::register_exception<ConfigError>(m, "ConfigError", PyExc_ValueError);
 
-  m.attr("STATS_FIELDS") = py::make_tuple("shard_nonfinite", "shard_sumsq", "local_nonfinite",
-                                          "local_sumsq", "loss", "stop_requested",
-                                          "overflow_runs", "bad_samples", "compute_seconds");
-  static_assert(kRankStatsDoubles == 9, "the field list above is RankStats'");
+  py::tuple fields(static_cast<size_t>(core::kStatsDoubles));
+  for (int f = 0; f < core::kStatsDoubles; ++f) fields[f] = stats_field_name(f);
+  m.attr("STATS_FIELDS") = fields;
   m.attr("STATS_HEADER") = kernels::kStatsHeader;
 
   bind_verdict(m);

@@ -30,31 +30,14 @@ class C10dComm final : public Comm {
     o.rootRank = root;
     finish(g_.pg->broadcast(v, o), "broadcast")->wait();
   }
-  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
-                                             const std::vector<at::Tensor>& out) override {
-    check_count(out.size(), "all_gather");
-    std::vector<std::vector<at::Tensor>> o = {out};
-    std::vector<at::Tensor> i = {in};
-    return finish(g_.pg->allgather(o, i), "all_gather");
-  }
-  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
-                                                     at::Tensor& out) override {
-    check_count(in.size(), "reduce_scatter");
-    std::vector<at::Tensor> o = {out};
-    std::vector<std::vector<at::Tensor>> i = {in};
-    return finish(g_.pg->reduce_scatter(o, i), "reduce_scatter");
-  }
-  std::unique_ptr<CommWork> all_gather_flat_async(const at::Tensor& in,
-                                                  at::Tensor& out) override {
-    if (out.numel() != in.numel() * g_.size || !out.is_contiguous() || !in.is_contiguous())
-      return Comm::all_gather_flat_async(in, out);
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) override {
+    check_blocks(out, in, "all_gather");
     at::Tensor i = in, o = out.view({-1});
     return finish(g_.pg->_allgather_base(o, i), "all_gather");
   }
-  std::unique_ptr<CommWork> reduce_scatter_flat_async(const at::Tensor& in,
-                                                      at::Tensor& out) override {
-    if (in.numel() != out.numel() * g_.size || !out.is_contiguous() || !in.is_contiguous())
-      return Comm::reduce_scatter_flat_async(in, out);
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
+                                                     at::Tensor& out) override {
+    check_blocks(in, out, "reduce_scatter");
     at::Tensor i = in.view({-1}), o = out;
     c10d::ReduceScatterOptions opts;
     return finish(g_.pg->_reduce_scatter_base(o, i, opts), "reduce_scatter");
@@ -71,10 +54,13 @@ class C10dComm final : public Comm {
   }
 
  private:
-  void check_count(size_t n, const char* op) const {
-    if (static_cast<int>(n) != g_.size)
-      throw std::invalid_argument(
-          fmt::format("{} {}: {} tensors for {} ranks", g_.name, op, n, g_.size));
+  // `whole` holds size() blocks of `block`, both contiguous.
+  void check_blocks(const at::Tensor& whole, const at::Tensor& block, const char* op) const {
+    if (whole.numel() != block.numel() * g_.size || !whole.is_contiguous() ||
+        !block.is_contiguous())
+      throw std::invalid_argument(fmt::format(
+          "{} {}: needs contiguous tensors, one of {} blocks of the other's {} elements",
+          g_.name, op, g_.size, block.numel()));
   }
   // The work's completion: a wait under the timeout.
   std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op) {

@@ -6,24 +6,6 @@
 
 namespace lockstep {
 
-std::unique_ptr<CommWork> Comm::all_gather_flat_async(const at::Tensor& in, at::Tensor& out) {
-  if (out.numel() != in.numel() * size())
-    throw std::invalid_argument("all_gather: out must hold size() x in's elements");
-  const at::Tensor blocks = out.view({size(), in.numel()});
-  std::vector<at::Tensor> outs;
-  for (int r = 0; r < size(); ++r) outs.push_back(blocks.select(0, r));
-  return all_gather_async(in, outs);
-}
-
-std::unique_ptr<CommWork> Comm::reduce_scatter_flat_async(const at::Tensor& in, at::Tensor& out) {
-  const int64_t n = out.numel();
-  if (in.dim() != 1 || in.numel() != n * size())
-    throw std::invalid_argument("reduce_scatter: in must be flat with size() x out elements");
-  std::vector<at::Tensor> blocks;
-  for (int r = 0; r < size(); ++r) blocks.push_back(in.narrow(0, r * n, n));
-  return reduce_scatter_sum_async(blocks, out);
-}
-
 at::Tensor all_gather_rows(Comm* comm, const at::Tensor& row) {
   return gather_rows(comm, row).cpu();
 }

@@ -58,20 +58,12 @@ class Comm {
   // on every rank. A collective that does not finish within train_timeout_seconds makes wait()
   // throw an Error that names it (a lost rank never hangs the others).
   virtual std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) = 0;  // in place
-  // out[r] (one per rank, each like `in`) receives rank r's `in`.
-  virtual std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
-                                                     const std::vector<at::Tensor>& out) = 0;
-  // in[r] (one per rank, each like `out`): rank r's `out` receives the sum over all ranks of
-  // their in[r] (the gradient sync of the sharded mode).
-  virtual std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+  // One contiguous buffer each way, size() blocks in rank order (c10d's _allgather_base and
+  // _reduce_scatter_base): `out` receives rank r's `in` in block r (all-gather); block r of
+  // every rank's `in` is summed into rank r's `out` (reduce-scatter).
+  virtual std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) = 0;
+  virtual std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
                                                              at::Tensor& out) = 0;
-  // Flat forms, one contiguous buffer each: `out` holds size() blocks of in.numel(), rank r's
-  // `in` in block r (all-gather); `in` holds size() blocks of out.numel(), block r summed into
-  // rank r's `out` (reduce-scatter). c10d's _allgather_base / _reduce_scatter_base: no per-rank
-  // views to flatten and copy. By default the list forms over views of the blocks.
-  virtual std::unique_ptr<CommWork> all_gather_flat_async(const at::Tensor& in, at::Tensor& out);
-  virtual std::unique_ptr<CommWork> reduce_scatter_flat_async(const at::Tensor& in,
-                                                              at::Tensor& out);
   // Blocking collectives.
   virtual void broadcast(at::Tensor& t, int root) = 0;  // in place
   virtual void barrier() = 0;
@@ -85,15 +77,9 @@ class Comm {
 
   // Blocking forms of the asynchronous ones.
   void all_reduce_sum(at::Tensor& t) { all_reduce_sum_async(t)->wait(); }
-  void all_gather(const at::Tensor& in, const std::vector<at::Tensor>& out) {
-    all_gather_async(in, out)->wait();
-  }
-  void reduce_scatter_sum(const std::vector<at::Tensor>& in, at::Tensor& out) {
-    reduce_scatter_sum_async(in, out)->wait();
-  }
-  void all_gather(const at::Tensor& in, at::Tensor& out) { all_gather_flat_async(in, out)->wait(); }
+  void all_gather(const at::Tensor& in, at::Tensor& out) { all_gather_async(in, out)->wait(); }
   void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) {
-    reduce_scatter_flat_async(in, out)->wait();
+    reduce_scatter_sum_async(in, out)->wait();
   }
 };
 

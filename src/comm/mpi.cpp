@@ -84,39 +84,24 @@ class MpiComm final : public Comm {
     wait(req, "broadcast");
     back(h, t);
   }
-  // MPI wants one contiguous buffer for the ranks' blocks: the list is staged through one
-  // unless its tensors already lie back to back.
-  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
-                                             const std::vector<at::Tensor>& out) override {
-    at::Tensor hin = host(in, "all_gather");
-    at::Tensor hout = contiguous_run(out) ? out[0].as_strided({hin.numel() * size_}, {1})
-                                          : at::empty({size_, hin.numel()}, hin.options());
-    hout = host(hout, "all_gather");
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) override {
+    const at::Tensor hin = host(in, "all_gather"), hout = host(out, "all_gather");
+    if (hout.numel() != hin.numel() * size_)
+      throw std::invalid_argument("mpi all_gather: out holds one block of in per rank");
     MPI_Request req;
     const MPI_Datatype ty = mpi_type(hin, "all_gather");
     MPI_Iallgather(hin.data_ptr(), static_cast<int>(hin.numel()), ty, hout.data_ptr(),
                    static_cast<int>(hin.numel()), ty, comm_, &req);
-    return std::make_unique<CommWork>([this, req, hin, hout, out]() mutable {
+    return std::make_unique<CommWork>([this, req, hin, hout]() mutable {
       wait(req, "all_gather");
-      const at::Tensor flat = hout.view({size_, hin.numel()});
-      for (int r = 0; r < size_; ++r)
-        if (out[r].data_ptr() != flat.select(0, r).data_ptr() || !out[r].is_cpu())
-          out[r].view({-1}).copy_(flat.select(0, r));
     });
   }
-  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
                                                      at::Tensor& out) override {
-    if (static_cast<int>(in.size()) != size_)
-      throw std::invalid_argument("mpi reduce_scatter: one input block per rank");
     const int64_t n = out.numel();
-    at::Tensor hin;
-    if (contiguous_run(in)) {
-      hin = in[0].as_strided({n * size_}, {1});
-    } else {
-      hin = at::empty({size_, n}, out.options().device(at::kCPU));
-      for (int r = 0; r < size_; ++r) hin.select(0, r).copy_(in[r].view({-1}));
-    }
-    hin = summable(host(hin, "reduce_scatter"));
+    if (in.numel() != n * size_)
+      throw std::invalid_argument("mpi reduce_scatter: in holds one block of out per rank");
+    at::Tensor hin = summable(host(in, "reduce_scatter"));
     at::Tensor hout = summable(host(out, "reduce_scatter"));
     MPI_Request req;
     MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(n),
@@ -153,16 +138,7 @@ class MpiComm final : public Comm {
   static void back(const at::Tensor& staged, const at::Tensor& t) {
     if (!staged.is_same(t)) t.copy_(staged);
   }
-  // The tensors are contiguous and follow each other in one storage without gaps.
-  static bool contiguous_run(const std::vector<at::Tensor>& ts) {
-    for (size_t i = 0; i < ts.size(); ++i) {
-      if (!ts[i].is_contiguous() || !ts[i].is_cpu()) return false;
-      if (i > 0 && static_cast<const char*>(ts[i].data_ptr()) !=
-                       static_cast<const char*>(ts[i - 1].data_ptr()) + ts[i - 1].nbytes())
-        return false;
-    }
-    return !ts.empty();
-  }
+
   // Completes `req` or throws naming `op` once train_timeout_seconds have passed. Spins first
   // (small collectives finish in microseconds), then polls gently so a waiting rank does not
   // take the core from a busy one.

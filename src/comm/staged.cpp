@@ -34,32 +34,14 @@ class StagedComm final : public Comm {
     inner_->broadcast(s, root);
     back({{s, t}});
   }
-  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in,
-                                             const std::vector<at::Tensor>& out) override {
-    std::vector<at::Tensor> souts;
-    Copies copies;
-    for (const auto& t : out) {
-      souts.push_back(staged(t));
-      copies.emplace_back(souts.back(), t);
-    }
-    return then(inner_->all_gather_async(staged(in), souts), std::move(copies));
-  }
-  std::unique_ptr<CommWork> all_gather_flat_async(const at::Tensor& in,
-                                                  at::Tensor& out) override {
+  std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) override {
     at::Tensor s = staged(out);
-    return then(inner_->all_gather_flat_async(staged(in), s), {{s, out}});
+    return then(inner_->all_gather_async(staged(in), s), {{s, out}});
   }
-  std::unique_ptr<CommWork> reduce_scatter_flat_async(const at::Tensor& in,
-                                                      at::Tensor& out) override {
-    at::Tensor s = staged(out);
-    return then(inner_->reduce_scatter_flat_async(staged(in), s), {{s, out}});
-  }
-  std::unique_ptr<CommWork> reduce_scatter_sum_async(const std::vector<at::Tensor>& in,
+  std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
                                                      at::Tensor& out) override {
-    std::vector<at::Tensor> blocks;
-    for (const auto& t : in) blocks.push_back(staged(t));
     at::Tensor s = staged(out);
-    return then(inner_->reduce_scatter_sum_async(blocks, s), {{s, out}});
+    return then(inner_->reduce_scatter_sum_async(staged(in), s), {{s, out}});
   }
 
  private:

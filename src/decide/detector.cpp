@@ -6,33 +6,16 @@
 #include <cstring>
 #include <optional>
 
+#include "decide/names.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
 
-const char* decision_name(Decision d) {
-  switch (d) {
-    case Decision::kStep: return "step";
-    case Decision::kSkip: return "skip";
-    case Decision::kAbort: return "abort";
-    case Decision::kClip: return "clip";
-    case Decision::kSalvage: return "salvage";
-  }
-  return "?";
-}
+double norm_of(double nonfinite, double sumsq) { return core::norm_of(nonfinite, sumsq); }
 
-const char* reason_name(int bit) {
-  static const char* const kNames[kernels::kReasonCount] = {
-      "nonfinite_grad", "nonfinite_loss", "grad_norm_above_max", "grad_norm_spike", "loss_spike",
-      "grad_norm_zclip"};
-  return bit >= 0 && bit < kernels::kReasonCount ? kNames[bit] : "?";
-}
-
-double norm_of(double nonfinite, double sumsq) { return kernels::norm_of(nonfinite, sumsq); }
-
-kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t) {
+core::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t) {
   const LossScaleMode mode = loss_scale_setting(t).mode;
-  kernels::DecideConfig c;
+  core::DecideConfig c;
   c.thresholds = {k.enabled, k.max_grad_norm, k.grad_norm_zscore, k.loss_zscore};
   c.min_history = k.min_history;
   c.max_norm = t.max_norm;
@@ -45,9 +28,9 @@ kernels::DecideConfig decide_config(const SkipConfig& k, const TrainingConfig& t
   c.max_consecutive_seconds = k.max_consecutive_seconds;
   c.max_fraction = k.max_fraction;
   c.fraction_window = k.fraction_window;
-  c.on_global_spike = k.on_global_spike == OnGlobalSpike::kClip   ? kernels::kSpikeClip
-                      : k.on_global_spike == OnGlobalSpike::kSkip ? kernels::kSpikeSkip
-                                                                  : kernels::kSpikeAbort;
+  c.on_global_spike = k.on_global_spike == OnGlobalSpike::kClip   ? core::kSpikeClip
+                      : k.on_global_spike == OnGlobalSpike::kSkip ? core::kSpikeSkip
+                                                                  : core::kSpikeAbort;
   c.hardware_abort = k.on_hardware_fault == OnHardwareFault::kAbort ? 1 : 0;
   c.zclip = {k.adaptive_clip == AdaptiveClip::kZClip ? 1 : 0, k.zclip_alpha, k.zclip_zscore,
              k.zclip_warmup};
@@ -73,17 +56,17 @@ SkipConfig with_token_guard(SkipConfig k, int64_t tokens_per_step) {
 // ---- HostDecideState --------------------------------------------------------------------------
 
 HostDecideState::HostDecideState(int64_t window, int64_t fraction_window, int w, double scale)
-    : rings(kernels::decide_state_doubles(window, fraction_window, w), 0.0),
-      s(kernels::fresh_decide_state(rings.data(), window, fraction_window, w, scale)),
+    : rings(core::decide_state_doubles(window, fraction_window, w), 0.0),
+      s(core::fresh_decide_state(rings.data(), window, fraction_window, w, scale)),
       world(w) {}
 
 HostDecideState::HostDecideState(const HostDecideState& o)
-    : rings(o.rings), s(kernels::relocated(o.s, o.rings.data(), rings.data())), world(o.world) {}
+    : rings(o.rings), s(core::relocated(o.s, o.rings.data(), rings.data())), world(o.world) {}
 
 HostDecideState& HostDecideState::operator=(const HostDecideState& o) {
   if (this == &o) return *this;
   rings = o.rings;
-  s = kernels::relocated(o.s, o.rings.data(), rings.data());
+  s = core::relocated(o.s, o.rings.data(), rings.data());
   world = o.world;
   return *this;
 }
@@ -92,7 +75,7 @@ HostDecideState HostDecideState::resized(int w) const {
   HostDecideState out(s.grad_norms.capacity, s.recent.capacity, w, s.scale.scale);
   const int64_t global = 2 * s.grad_norms.capacity + s.recent.capacity;  // the first rings
   std::copy(rings.begin(), rings.begin() + global, out.rings.begin());
-  kernels::DecideState moved = kernels::relocated(s, rings.data(), out.rings.data());
+  core::DecideState moved = core::relocated(s, rings.data(), out.rings.data());
   moved.ranks = out.s.ranks;
   moved.scratch = out.s.scratch;
   out.s = moved;
@@ -110,57 +93,11 @@ HostDecideState SkipDetector::state_for(int world) const {
   return state_.world == world ? state_ : state_.resized(world);
 }
 
-namespace {
-
-const double* table_of(const std::vector<RankStats>& ranks) {
-  static_assert(sizeof(RankStats) == kernels::kStatsDoubles * sizeof(double),
-                "RankStats is the core's row");
-  return reinterpret_cast<const double*>(ranks.data());
-}
-
-// The reasons' names, in the core's bit order.
-void name_reasons(uint32_t bits, std::vector<std::string>& out) {
-  for (int b = 0; b < kernels::kReasonCount; ++b)
-    if (bits & (1u << b)) out.push_back(reason_name(b));
-}
-
-Decision decision_of(const kernels::DecideResult& r) {
-  switch (r.outcome) {
-    case kernels::kTake:
-      return r.clipped ? Decision::kClip : r.salvaged ? Decision::kSalvage : Decision::kStep;
-    case kernels::kSkipStep: return Decision::kSkip;
-    default: return Decision::kAbort;
-  }
-}
-
-}  // namespace
-
-kernels::DecideResult result_of(const Verdict& v) {
-  kernels::DecideResult r{};
-  for (int b = 0; b < kernels::kReasonCount; ++b)
-    if (std::find(v.reasons.begin(), v.reasons.end(), reason_name(b)) != v.reasons.end())
-      r.reasons |= 1u << b;
-  r.clip = v.clip;
-  r.outcome = v.decision == Decision::kAbort  ? kernels::kAbortRun
-              : v.decision == Decision::kSkip ? kernels::kSkipStep
-                                              : kernels::kTake;
-  r.overflow = v.overflow ? 1 : 0;
-  r.interrupted = v.interrupted ? 1 : 0;
-  r.clipped = v.decision == Decision::kClip ? 1 : 0;
-  r.salvaged = v.decision == Decision::kSalvage ? 1 : 0;
-  r.clip_to = v.clip_to;
-  r.grad_norm = v.grad_norm;
-  r.loss = v.loss;
-  r.loss_scale = v.loss_scale;
-  r.seconds = v.compute_seconds;
-  return r;
-}
-
-std::string SkipDetector::guard_message(const kernels::DecideResult& r,
+std::string SkipDetector::guard_message(const core::DecideResult& r,
                                         const HostDecideState& st) const {
-  const kernels::LossScaleState& ls = st.s.scale;
+  const core::LossScaleState& ls = st.s.scale;
   switch (r.why) {
-    case kernels::kMaxConsecutive:
+    case core::kMaxConsecutive:
       if (consecutive_tokens_ > 0)
         return fmt::format("skip.max_consecutive_tokens = {} ({} steps of the global batch): {} "
                            "skips in a row",
@@ -168,24 +105,24 @@ std::string SkipDetector::guard_message(const kernels::DecideResult& r,
                            st.s.consecutive_skips + 1);
       return fmt::format("skip.max_consecutive = {}: {} skips in a row", config_.max_consecutive,
                          st.s.consecutive_skips + 1);
-    case kernels::kMaxSeconds:
+    case core::kMaxSeconds:
       return fmt::format("skip.max_consecutive_seconds = {}: {} skips in a row cost {:.1f} s of "
                          "compute",
                          nlohmann::json(config_.max_consecutive_seconds).dump(),
                          st.s.consecutive_skips + 1, st.s.consecutive_skip_seconds + r.seconds);
-    case kernels::kMaxFraction:
+    case core::kMaxFraction:
       return fmt::format("skip.max_fraction = {}: {} skips in the last {} steps",
                          nlohmann::json(config_.max_fraction).dump(), r.skips_in_window,
                          config_.fraction_window);
-    case 10 + kernels::kMaxOverflows:
+    case core::kMaxOverflows:
       return fmt::format("training.loss_scale_max_overflows = {}: {} overflows in a row",
                          config_.loss_scale_max_overflows, ls.consecutive_overflows + 1);
-    case 10 + kernels::kScaleMin:
+    case core::kScaleMin:
       return fmt::format("training.loss_scale_min = {}: the scale would fall to {}",
                          config_.loss_scale_min, ls.scale * config_.loss_scale.backoff_factor);
-    case kernels::kSkipDisabled: return "skip.enabled = false";
-    case kernels::kGlobalSpikeAbort: return "skip.on_global_spike = abort";
-    case kernels::kHardwareFaultAbort: return "skip.on_hardware_fault = abort";
+    case core::kSkipDisabled: return "skip.enabled = false";
+    case core::kGlobalSpikeAbort: return "skip.on_global_spike = abort";
+    case core::kHardwareFaultAbort: return "skip.on_hardware_fault = abort";
     default: return "";
   }
 }
@@ -196,15 +133,16 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   const HostDecideState& st = state_.world == world ? state_ : other.emplace(state_for(world));
   std::vector<uint8_t> dropped(ranks.size(), 0);
   for (int r : triage.dropped) dropped[static_cast<size_t>(r)] = 1;
-  const kernels::Settled settled{triage.dropped.empty() ? nullptr : dropped.data(),
-                                 static_cast<int32_t>(triage.culprits.size()),
-                                 triage.skip_step ? 1 : 0,
-                                 static_cast<int32_t>(triage.hardware_suspects.size())};
-  kernels::DecideResult r{};
-  kernels::score_step(table_of(ranks), world, st.s, config_, settled, r);
+  const core::BeforeSync before{triage.dropped.empty() ? nullptr : dropped.data(),
+                                static_cast<int32_t>(triage.culprits.size()),
+                                triage.skip_step ? 1 : 0,
+                                static_cast<int32_t>(triage.hardware_suspects.size())};
+  core::DecideResult r{};
+  core::score_step(rows_of(ranks), world, st.s, config_, before, r);
 
   Verdict v;
-  v.decision = decision_of(r);
+  v.decision = decision_of(r.outcome, r.clipped != 0, r.salvaged != 0);
+  v.why = r.why;
   v.guard = guard_message(r, st);
   v.grad_norm = r.grad_norm;
   v.nonfinite = r.nonfinite;
@@ -221,13 +159,13 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   v.compute_seconds = r.seconds;
   if (v.interrupted) return v;  // nothing to name: the step did not happen
   if (v.overflow) {  // an fp16 overflow: the loss scale, not the data; no rank is blamed
-    v.reasons.push_back("loss_scale_overflow");
+    v.reasons = core::kLossScaleOverflow;
     return v;
   }
-  name_reasons(r.reasons, v.reasons);
+  v.reasons = r.reasons;
   for (int i = 0; i < world; ++i) {
-    const double* row = table_of(ranks) + i * kernels::kStatsDoubles;
-    const kernels::RankValues rv = kernels::rank_values(row, r.loss_scale);
+    const core::RankValues rv =
+        core::rank_values(rows_of(ranks) + i * core::kStatsDoubles, r.loss_scale);
     v.rank_grad_norm.push_back(rv.grad_norm);
     v.rank_loss.push_back(rv.loss);
   }
@@ -238,24 +176,27 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   // Only a step to explain needs the names: each rank against its own windows, the scope.
   if (r.reasons == 0 && triage.culprits.empty() && v.decision == Decision::kStep) return v;
   const LocalFindings f = findings(ranks, st);
-  v.rank_grad_norm_z = f.grad_norm_z;
-  v.rank_loss_z = f.loss_z;
+  for (const core::RankFinding& k : f.ranks) {
+    v.rank_grad_norm_z.push_back(k.grad_norm_z);
+    v.rank_loss_z.push_back(k.loss_z);
+    v.rank_reasons.push_back(k.reasons);
+  }
   attribute(v, ranks, f, triage);
   return v;
 }
 
 void SkipDetector::record(const Verdict& v) {
-  const kernels::DecideResult r = result_of(v);
+  const core::DecideResult r = result_of(v);
   const int world = static_cast<int>(v.rank_loss.size());
-  const bool taken = r.outcome == kernels::kTake && !r.overflow;
+  const bool taken = r.outcome == core::kTake && !r.overflow;
   if (taken && state_.world != world) state_ = state_.resized(world);
-  kernels::record_step(state_.s, config_, r);
+  core::record_step(state_.s, config_, r);
   if (!taken) return;
   for (int i = 0; i < world; ++i) {
     if (std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), i) != v.dropped_ranks.end())
       continue;
-    kernels::record_rank_values(state_.s, config_, r, i,
-                                {v.rank_grad_norm[static_cast<size_t>(i)],
+    core::record_rank_values(state_.s, config_, r, i,
+                             {v.rank_grad_norm[static_cast<size_t>(i)],
                                  v.rank_loss[static_cast<size_t>(i)]});
   }
 }
@@ -268,36 +209,36 @@ void SkipDetector::reset_guards() {
 }
 
 WindowSummary SkipDetector::window() const {
-  const kernels::Ring& g = state_.s.grad_norms;
-  const kernels::Ring& l = state_.s.losses;
-  const auto gn = [&g](int64_t i) { return kernels::ring_at(g, i); };
-  const auto ls = [&l](int64_t i) { return kernels::ring_at(l, i); };
-  return {g.size, kernels::window_mean(gn, g.size), kernels::window_stddev(gn, g.size),
-          kernels::window_mean(ls, l.size), kernels::window_stddev(ls, l.size)};
+  const core::Ring& g = state_.s.grad_norms;
+  const core::Ring& l = state_.s.losses;
+  const auto gn = [&g](int64_t i) { return core::ring_at(g, i); };
+  const auto ls = [&l](int64_t i) { return core::ring_at(l, i); };
+  return {g.size, core::window_mean(gn, g.size), core::window_stddev(gn, g.size),
+          core::window_mean(ls, l.size), core::window_stddev(ls, l.size)};
 }
 
 // ---- checkpoints --------------------------------------------------------------------------------
 
 namespace {
 
-std::vector<double> values_of(const kernels::Ring& r) {
+std::vector<double> values_of(const core::Ring& r) {
   std::vector<double> out;
-  for (int64_t i = 0; i < r.size; ++i) out.push_back(kernels::ring_at(r, i));
+  for (int64_t i = 0; i < r.size; ++i) out.push_back(core::ring_at(r, i));
   return out;
 }
 
-void push_all(kernels::Ring& r, const nlohmann::json& values) {
-  for (const auto& v : values) kernels::ring_push(r, v.get<double>());
+void push_all(core::Ring& r, const nlohmann::json& values) {
+  for (const auto& v : values) core::ring_push(r, v.get<double>());
 }
 
 }  // namespace
 
 nlohmann::json SkipDetector::state() const {
-  const kernels::DecideState& s = state_.s;
+  const core::DecideState& s = state_.s;
   nlohmann::json rank_gn = nlohmann::json::array(), rank_ls = nlohmann::json::array();
   for (int r = 0; r < state_.world; ++r) {
-    rank_gn.push_back(values_of(kernels::rank_ring(s.ranks, r, 0)));
-    rank_ls.push_back(values_of(kernels::rank_ring(s.ranks, r, 1)));
+    rank_gn.push_back(values_of(core::rank_ring(s.ranks, r, 0)));
+    rank_ls.push_back(values_of(core::rank_ring(s.ranks, r, 1)));
   }
   std::string recent;
   for (double b : values_of(s.recent)) recent += b != 0 ? '1' : '0';
@@ -325,13 +266,13 @@ void SkipDetector::load_state(const nlohmann::json& j) {
   push_all(st.s.losses, j.at("losses"));
   for (int r = 0; r < world && static_cast<int>(rank_gn.size()) == world; ++r) {
     for (const auto& v : rank_gn[static_cast<size_t>(r)])
-      kernels::rank_ring_push(st.s.ranks, r, 0, v.get<double>());
+      core::rank_ring_push(st.s.ranks, r, 0, v.get<double>());
     for (const auto& v : rank_ls[static_cast<size_t>(r)])
-      kernels::rank_ring_push(st.s.ranks, r, 1, v.get<double>());
+      core::rank_ring_push(st.s.ranks, r, 1, v.get<double>());
   }
   st.s.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
   st.s.consecutive_skip_seconds = j.value("consecutive_skip_seconds", 0.0);  // older: none
-  for (char c : j.at("recent").get<std::string>()) kernels::recent_push(st.s, c == '1');
+  for (char c : j.at("recent").get<std::string>()) core::recent_push(st.s, c == '1');
   if (j.contains("zclip")) {  // checkpoints before ZClip have none: it warms up again
     const nlohmann::json& z = j.at("zclip");
     st.s.zclip = {z.at("count").get<int64_t>(), z.at("mean").get<double>(),
@@ -341,7 +282,7 @@ void SkipDetector::load_state(const nlohmann::json& j) {
 }
 
 nlohmann::json SkipDetector::loss_scale_state() const {
-  const kernels::LossScaleState& s = state_.s.scale;
+  const core::LossScaleState& s = state_.s.scale;
   return {{"scale", s.scale},
           {"growth_tracker", s.growth_tracker},
           {"consecutive_overflows", s.consecutive_overflows}};
@@ -349,7 +290,7 @@ nlohmann::json SkipDetector::loss_scale_state() const {
 
 void SkipDetector::load_loss_scale(const nlohmann::json& j) {
   if (j.empty()) return;
-  kernels::LossScaleState& s = state_.s.scale;
+  core::LossScaleState& s = state_.s.scale;
   if (config_.loss_scale.dynamic) s.scale = j.at("scale").get<double>();
   s.growth_tracker = j.at("growth_tracker").get<int64_t>();
   s.consecutive_overflows = j.at("consecutive_overflows").get<int64_t>();

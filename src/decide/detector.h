@@ -1,10 +1,6 @@
-// The step decision on the host: STEP, SKIP, CLIP, SALVAGE or ABORT. There is one decision: the
-// framework-free core in kernels/decision.h, which the device runs too (decision.cu). This file
-// holds the core's state in the core's own types, its rings in host memory (HostDecideState),
-// calls the core to score, decide and record each step, and adds only what names things: the
-// reasons' names, the anomaly's scope and culprits, the guards' messages. What the triage
-// settled before the sync (dropped ranks, replays, the probe's suspects) enters the core as an
-// input (kernels::Settled). Plain C++: no tensors, so it is unit-tested directly.
+// The step decision on the host: the core (decide/core/, which the device runs too) over state
+// whose rings live in host memory, plus what only the host adds: the culprits, each rank's
+// findings, the guards' messages. Plain C++: no tensors, unit-tested directly.
 #pragma once
 
 #include <cstdint>
@@ -13,22 +9,15 @@
 
 #include <nlohmann/json.hpp>
 
-#include "kernels/decision.h"
+#include "decide/core/step.h"
+#include "decide/verdict.h"
 #include "lockstep/config.h"
-#include "lockstep/decision.h"
 
 namespace lockstep {
 
-// A reason's name (kernels/decision.h's bit `bit`: nonfinite_grad, ..., loss_spike).
-const char* reason_name(int bit);
-
-// The core's result of a decided verdict: its outcome, reasons and numbers (what record_step,
-// record_rank and the per-tensor policies read; a verdict's names, not its guard's why).
-kernels::DecideResult result_of(const Verdict& v);
-
 // The shared core's config from the run's: thresholds, guards, scope policy, the clip
 // (training.max_norm) and the loss-scale rule and guards. The one reader of these settings.
-kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);
+core::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig& training);
 
 // skip.max_consecutive_tokens as steps of `tokens_per_step` tokens (every step holds as many):
 // skip.max_consecutive becomes the tighter of the two (max_consecutive_tokens stays set only
@@ -36,22 +25,21 @@ kernels::DecideConfig decide_config(const SkipConfig& skip, const TrainingConfig
 // tokens are fewer than one step's.
 SkipConfig with_token_guard(SkipConfig skip, int64_t tokens_per_step);
 
-// Each rank's own values against its own windows, from the all-gathered table: which ranks
-// stand out, and why. Every rank computes it from the same table and windows.
+// Each rank's own values against its own windows, from the all-gathered table: the same on
+// every rank.
 struct LocalFindings {
-  std::vector<int> outliers;         // nonfinite own gradient or loss, or own z above threshold
-  std::vector<std::string> reasons;  // what they showed (nonfinite_grad, grad_norm_spike, ...)
-  bool sample_evidence = false;      // some outlier holds samples whose own loss is nonfinite
-  std::vector<double> grad_norm_z, loss_z;  // per rank; NaN while its window is short
-  // A minority of ranks (at most half), or samples that name themselves (kernels::is_local).
-  bool local(size_t world) const;
+  std::vector<core::RankFinding> ranks;  // in rank order
+  std::vector<int> outliers;             // the ranks with reasons of their own
+  uint32_t reasons = 0;                  // what they showed
+  bool sample_evidence = false;          // some outlier holds samples whose loss is nonfinite
+  bool local(size_t world) const;        // core::is_local
 };
 
 // What was settled before the gradient sync (skip.scope = "rank", skip.replay): the local
 // culprits, the ranks whose contribution was dropped, what replays found. Empty otherwise.
 struct Triage {
   std::vector<int> culprits;
-  std::vector<std::string> reasons;
+  uint32_t reasons = 0;  // core::Reason bits
   std::vector<int> dropped;
   std::vector<ReplayResult> replays;
   std::string cause;
@@ -59,7 +47,7 @@ struct Triage {
   bool skip_step = false;  // the culprits' gradients stay bad and cannot all be dropped
 };
 
-// The core's state (kernels::DecideState) over rings in host memory, for `world` ranks. A copy
+// The core's state (core::DecideState) over rings in host memory, for `world` ranks. A copy
 // points at its own rings.
 struct HostDecideState {
   HostDecideState(int64_t window, int64_t fraction_window, int world, double scale);
@@ -70,7 +58,7 @@ struct HostDecideState {
   HostDecideState resized(int world) const;
 
   std::vector<double> rings;
-  kernels::DecideState s;
+  core::DecideState s;
   int world;
 };
 
@@ -110,7 +98,7 @@ class SkipDetector {
   double loss_scale() const { return state_.s.scale.scale; }
   int64_t consecutive_overflows() const { return state_.s.scale.consecutive_overflows; }
 
-  const kernels::DecideConfig& config() const { return config_; }
+  const core::DecideConfig& config() const { return config_; }
   // The core's state for `world` ranks (this one, or resized): what the device decision uploads.
   HostDecideState state_for(int world) const;
 
@@ -125,12 +113,12 @@ class SkipDetector {
   // scope.cpp: names the scope, culprits and cause of a decided step.
   void attribute(Verdict& v, const std::vector<RankStats>& ranks, const LocalFindings& f,
                  const Triage& triage) const;
-  std::string guard_message(const kernels::DecideResult& r, const HostDecideState& st) const;
+  std::string guard_message(const core::DecideResult& r, const HostDecideState& st) const;
 
   // local_findings against `st`, the state for the table's world size.
   LocalFindings findings(const std::vector<RankStats>& ranks, const HostDecideState& st) const;
 
-  kernels::DecideConfig config_;
+  core::DecideConfig config_;
   int64_t consecutive_tokens_;  // skip.max_consecutive_tokens, when it set max_consecutive
   HostDecideState state_;
 };

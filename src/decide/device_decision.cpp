@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "decide/exchange.h"
+#include "decide/names.h"
 #include "lockstep/error.h"
 
 #ifdef LOCKSTEP_WITH_CUDA
@@ -54,20 +55,20 @@ DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector
                      at::TensorOptions().dtype(at::kDouble).device(device));
   rings_.copy_(
       at::from_blob(const_cast<double*>(host.rings.data()), {rings_.numel()}, at::kDouble));
-  const kernels::DecideState s =
-      kernels::relocated(host.s, host.rings.data(), rings_.data_ptr<double>());
+  const core::DecideState s =
+      core::relocated(host.s, host.rings.data(), rings_.data_ptr<double>());
   state_ = bytes_on(device, sizeof s);
-  state_.copy_(at::from_blob(const_cast<kernels::DecideState*>(&s),
+  state_.copy_(at::from_blob(const_cast<core::DecideState*>(&s),
                              {static_cast<int64_t>(sizeof s)}, at::kByte));
-  loss_scale_ = at::from_blob(state_.data_ptr<uint8_t>() + offsetof(kernels::DecideState, scale) +
-                                  offsetof(kernels::LossScaleState, scale),
+  loss_scale_ = at::from_blob(state_.data_ptr<uint8_t>() + offsetof(core::DecideState, scale) +
+                                  offsetof(core::LossScaleState, scale),
                               {}, at::TensorOptions().dtype(at::kDouble).device(device));
   const bool pinned = device.is_cuda();
   for (auto& slot : slots_) {
     slot = std::make_unique<Slot>(device.type());
-    slot->result = bytes_on(device, sizeof(kernels::DecideResult));
+    slot->result = bytes_on(device, sizeof(core::DecideResult));
     slot->flags = at::empty({2}, at::TensorOptions().dtype(at::kFloat).device(device));
-    slot->result_host = bytes_on(c10::kCPU, sizeof(kernels::DecideResult), pinned);
+    slot->result_host = bytes_on(c10::kCPU, sizeof(core::DecideResult), pinned);
     slot->flags_host =
         at::empty({2}, at::TensorOptions().dtype(at::kFloat).pinned_memory(pinned));
     if (tensors_ == 0) continue;
@@ -85,15 +86,15 @@ DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector
 DeviceDecision::~DeviceDecision() = default;
 
 void DeviceDecision::decide_tensors(const at::Tensor& table, const at::Tensor& sums, Slot& slot) {
-  const auto* state = reinterpret_cast<const kernels::DecideState*>(state_.data_ptr<uint8_t>());
-  const auto* result = reinterpret_cast<const kernels::DecideResult*>(slot.result.data_ptr<uint8_t>());
+  const auto* state = reinterpret_cast<const core::DecideState*>(state_.data_ptr<uint8_t>());
+  const auto* result = reinterpret_cast<const core::DecideResult*>(slot.result.data_ptr<uint8_t>());
   float* factors = slot.tensor_flags.data_ptr<float>();
   if (device_.is_cuda()) {
 #ifdef LOCKSTEP_WITH_CUDA
     const auto stream = c10::cuda::getCurrentCUDAStream(device_.index());
     const int err = kernels::launch_decide_tensors(
         table.const_data_ptr<double>(), world_, sums.const_data_ptr<double>(), tensors_,
-        const_cast<kernels::DecideState*>(state), config_, rule_, result,
+        const_cast<core::DecideState*>(state), config_, rule_, result,
         taken_.data_ptr<int64_t>(), gamma_.data_ptr<double>(), factors, factors + tensors_,
         stream.stream());
     if (err != 0)
@@ -103,23 +104,23 @@ void DeviceDecision::decide_tensors(const at::Tensor& table, const at::Tensor& s
 #endif
     return;
   }
-  kernels::decide_tensors(table.const_data_ptr<double>(), world_, sums.const_data_ptr<double>(),
-                          tensors_, *state, config_, rule_, *result, *taken_.data_ptr<int64_t>(),
-                          gamma_.data_ptr<double>(), factors, factors + tensors_);
+  core::decide_tensors(table.const_data_ptr<double>(), world_, sums.const_data_ptr<double>(),
+                       tensors_, *state, config_, rule_, *result, *taken_.data_ptr<int64_t>(),
+                       gamma_.data_ptr<double>(), factors, factors + tensors_);
 }
 
 DeviceDecision::Update DeviceDecision::decide(const at::Tensor& gathered, int64_t step) {
   Slot& slot = *slots_[static_cast<size_t>(step % 2)];
   const at::Tensor whole = gathered.to(device_, at::kDouble).contiguous();
   const int world = static_cast<int>(whole.size(0));
-  if (world != world_ || whole.size(1) != kernels::kStatsDoubles + tensors_)
+  if (world != world_ || whole.size(1) != core::kStatsDoubles + tensors_)
     throw std::logic_error(fmt::format("device decision: a [{}, {}] table for {} ranks and {} "
                                        "tensors",
                                        world, whole.size(1), world_, tensors_));
   const at::Tensor t =
-      tensors_ > 0 ? whole.narrow(1, 0, kernels::kStatsDoubles).contiguous() : whole;
-  auto* state = reinterpret_cast<kernels::DecideState*>(state_.data_ptr<uint8_t>());
-  auto* result = reinterpret_cast<kernels::DecideResult*>(slot.result.data_ptr<uint8_t>());
+      tensors_ > 0 ? whole.narrow(1, 0, core::kStatsDoubles).contiguous() : whole;
+  auto* state = reinterpret_cast<core::DecideState*>(state_.data_ptr<uint8_t>());
+  auto* result = reinterpret_cast<core::DecideResult*>(slot.result.data_ptr<uint8_t>());
   float* flags = slot.flags.data_ptr<float>();
   if (device_.is_cuda()) {
 #ifdef LOCKSTEP_WITH_CUDA
@@ -132,12 +133,12 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& gathered, int64_
                                            __FILE__, __LINE__, err));
 #endif
   } else {
-    kernels::decide_step(t.const_data_ptr<double>(), world, *state, config_, *result, flags,
-                         flags + 1);
+    core::decide_step(t.const_data_ptr<double>(), world, *state, config_, *result, flags,
+                      flags + 1);
   }
   Update u{slot.flags.select(0, 0), slot.flags.select(0, 1), {}, {}};
   if (tensors_ > 0) {
-    decide_tensors(t, whole.narrow(1, kernels::kStatsDoubles, tensors_).contiguous(), slot);
+    decide_tensors(t, whole.narrow(1, core::kStatsDoubles, tensors_).contiguous(), slot);
     u.factors = slot.tensor_flags.narrow(0, 0, tensors_);
     u.resets = slot.tensor_flags.narrow(0, tensors_, tensors_);
   }
@@ -155,13 +156,13 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& gathered, int64_
   return u;
 }
 
-DeviceDecision::Late DeviceDecision::read(int64_t step) {
+DeviceDecision::Readback DeviceDecision::read(int64_t step) {
   Slot& slot = *slots_[static_cast<size_t>(step % 2)];
   if (slot.step != step)
     throw std::logic_error(fmt::format("device decision: step {} is not among the last two "
                                        "decided (slot holds {})",
                                        step, slot.step));
-  Late late;
+  Readback late;
   if (device_.is_cuda()) {
     const auto start = std::chrono::steady_clock::now();
     slot.copied.synchronize();
@@ -170,12 +171,12 @@ DeviceDecision::Late DeviceDecision::read(int64_t step) {
   }
   const int64_t world = slot.table_host.size(0);
   late.table.resize(static_cast<size_t>(world));
-  static_assert(sizeof(RankStats) == kernels::kStatsDoubles * sizeof(double));
-  const at::Tensor stats = slot.table_host.narrow(1, 0, kernels::kStatsDoubles).contiguous();
+  static_assert(sizeof(RankStats) == core::kStatsDoubles * sizeof(double));
+  const at::Tensor stats = slot.table_host.narrow(1, 0, core::kStatsDoubles).contiguous();
   std::memcpy(static_cast<void*>(late.table.data()), stats.const_data_ptr<double>(),
               sizeof(RankStats) * late.table.size());
   if (tensors_ > 0) {
-    late.tensor_sums = slot.table_host.narrow(1, kernels::kStatsDoubles, tensors_).clone();
+    late.tensor_sums = slot.table_host.narrow(1, core::kStatsDoubles, tensors_).clone();
     const float* f = slot.tensor_flags_host.const_data_ptr<float>();
     late.factors.assign(f, f + tensors_);
     late.resets.assign(f + tensors_, f + 2 * tensors_);
@@ -208,25 +209,23 @@ std::string host_decides_because(const UpdatePath& u) {
 }
 
 void expect_same_decision(int64_t step, const Verdict& v, double clip,
-                          const DeviceDecision::Late& device) {
-  const kernels::DecideResult& r = device.result;
+                          const DeviceDecision::Readback& device) {
+  const core::DecideResult& r = device.result;
   const bool clipped = v.decision == Decision::kClip;
-  const int32_t host = v.decision == Decision::kStep || clipped ? kernels::kTake
-                       : v.decision == Decision::kSkip          ? kernels::kSkipStep
-                                                                : kernels::kAbortRun;
-  const float found_inf = host == kernels::kTake ? 0.0f : 1.0f;
+  const core::Outcome host = outcome_of(v.decision);
+  const float found_inf = host == core::kTake ? 0.0f : 1.0f;
   // The same bits: the core returns one canonical NaN on every device.
   const bool same_norm = std::memcmp(&r.grad_norm, &v.grad_norm, sizeof(double)) == 0;
   const bool same = r.outcome == host && (r.clipped != 0) == clipped &&
                     device.found_inf == found_inf && same_norm &&
-                    (host != kernels::kTake ||
+                    (host != core::kTake ||
                      device.grad_scale == static_cast<float>(v.loss_scale / clip));
   if (same) return;
   throw Error(ExitCode::kTrainingAborted,
               fmt::format("step {}: the device decided {} (grad_norm {}, grad_scale {}) but the "
                           "host {} (grad_norm {}, clip {}); this is a bug in lockstep: please "
                           "report it; skip.device_decision = \"off\" decides on the host only",
-                          step, r.outcome, r.grad_norm, device.grad_scale,
+                          step, static_cast<int>(r.outcome), r.grad_norm, device.grad_scale,
                           decision_name(v.decision), v.grad_norm, clip));
 }
 

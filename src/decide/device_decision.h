@@ -1,5 +1,5 @@
 // The step's decision taken where the gradients are (skip.device_decision): the exchanged
-// table stays on the device, decide_step (kernels/decision.h, one thread) decides there and
+// table stays on the device, core::decide_step (one thread, kernels/decide_step.cu) decides there and
 // writes found_inf and grad_scale for the fused AdamW, so a clean step never waits for the
 // host. The host copies the table and the result into pinned memory as the step goes on and
 // reads them a step later, to take the same decision on its own (SkipDetector, over the same
@@ -27,12 +27,14 @@
 #include <vector>
 
 #include "decide/detector.h"
-#include "kernels/decision.h"
+#include "decide/core/step.h"
+#include "decide/core/tensors.h"
+#include "kernels/decide_step.h"
 #include "lockstep/config.h"
 
 namespace lockstep {
 
-// What a run's step offers a device decision; lockstep's trainer (placement.cpp) and the
+// What a run's step offers a device decision; lockstep's trainer (update_path.cpp) and the
 // PyTorch guard (python/lockstep/torch.py) each describe theirs and share the rule below.
 struct UpdatePath {
   bool on_gpu = false;         // the gradients and the exchanged table live on a GPU
@@ -47,7 +49,7 @@ bool device_decides(const Config& c, const UpdatePath& u);
 // Why "auto" keeps a config that has a device form on the host ("" when it does not).
 std::string host_decides_because(const UpdatePath& u);
 
-// The trainer's path (placement.cpp: its backend, its AdamW), and the rule over it.
+// The trainer's path (update_path.cpp: its backend, its AdamW), and the rule over it.
 UpdatePath update_path(const Config& c, c10::Device device, int local_ranks = 1);
 bool decides_on_device(const Config& c, c10::Device device, int local_ranks = 1);
 std::string decides_on_host_because(const Config& c, c10::Device device, int local_ranks = 1);
@@ -55,7 +57,7 @@ std::string decides_on_host_because(const Config& c, c10::Device device, int loc
 // The per-tensor policies' state the device starts from (TensorPolicies::device_start; empty
 // thresholds: neither policy is on).
 struct TensorStart {
-  kernels::TensorRule rule;
+  core::TensorRule rule;
   int64_t taken = 0;
   std::vector<double> thresholds;
 };
@@ -82,15 +84,15 @@ class DeviceDecision {
 
   // What the device decided at `step` (one of the last two), on the host: waits for the copy,
   // which by a step later has landed.
-  struct Late {
+  struct Readback {
     std::vector<RankStats> table;
-    kernels::DecideResult result{};
+    core::DecideResult result{};
     float found_inf = 0, grad_scale = 0;
     at::Tensor tensor_sums;                  // [W, tensors] fp64 (per-tensor policies)
     std::vector<float> factors, resets;      // what the device decided per tensor
     double waited = 0;  // seconds the host blocked on the copy (0: nothing to wait for, a CPU)
   };
-  Late read(int64_t step);
+  Readback read(int64_t step);
 
   // The loss scale the next step multiplies its loss by: a 0-dim fp64 view of the device's
   // state (the host's is a step behind).
@@ -102,9 +104,9 @@ class DeviceDecision {
 
   c10::Device device_;
   int world_;
-  kernels::DecideConfig config_{};
+  core::DecideConfig config_{};
   at::Tensor rings_, state_;  // device: the windows and the DecideState pointing into them
-  kernels::TensorRule rule_{};
+  core::TensorRule rule_{};
   int tensors_ = 0;          // per-tensor policies: the tensors (0: off)
   at::Tensor gamma_, taken_;  // device: their thresholds (fp64) and taken steps (int64)
   at::Tensor loss_scale_;     // a view of state_'s scale
@@ -114,6 +116,6 @@ class DeviceDecision {
 // Throws (exit code 4) when the host's decision of `step` (its verdict and clip) differs from
 // the device's: a bug, named with both numbers.
 void expect_same_decision(int64_t step, const Verdict& v, double clip,
-                          const DeviceDecision::Late& device);
+                          const DeviceDecision::Readback& device);
 
 }  // namespace lockstep

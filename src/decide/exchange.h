@@ -9,7 +9,7 @@
 
 #include "check/gradcheck.h"
 #include "comm/comm.h"
-#include "lockstep/decision.h"
+#include "decide/verdict.h"
 
 namespace lockstep {
 

@@ -20,7 +20,8 @@ void blame_model(Verdict& v, const std::vector<double>& counts,
     named.push_back(fmt::format("{} ({} nonfinite)", mine[i].first, mine[i].second));
   if (mine.size() > 3) named.push_back(fmt::format("... {} tensors in all", mine.size()));
   v.decision = Decision::kAbort;
-  v.scope = "global";
+  v.scope = core::kGlobal;
+  v.why = core::kNonfiniteParameters;
   v.cause = kCauseModel;
   v.culprit_ranks.clear();
   v.guard = fmt::format("nonfinite parameters on rank {}{}", fmt::join(ranks, ", "),
@@ -43,10 +44,10 @@ DeviceDecision::Update StepJudge::decide_on_device(const at::Tensor& table, int6
   return device_->decide(table, step);
 }
 
-StepJudge::Late StepJudge::read(int64_t step) {
+StepJudge::Checked StepJudge::read(int64_t step) {
   if (!device_) throw std::invalid_argument("read: nothing was decided on the device");
-  const DeviceDecision::Late late = device_->read(step);
-  Late out{detector_.decide(late.table), late.table, late.waited};
+  const DeviceDecision::Readback late = device_->read(step);
+  Checked out{detector_.decide(late.table), late.table, late.waited};
   tensors_.mirror(step, late, out.verdict);  // per tensor
   expect_same_decision(step, out.verdict, out.verdict.clip, late);
   return out;

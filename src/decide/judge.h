@@ -68,12 +68,13 @@ class StepJudge {
   // The device's loss scale for the next step's loss (device_decision.h).
   const at::Tensor& device_loss_scale() const { return device_->loss_scale(); }
   DeviceDecision::Update decide_on_device(const at::Tensor& table, int64_t step);
-  struct Late {
+  // The host's own verdict of a device-decided step, checked against the device's.
+  struct Checked {
     Verdict verdict;
     std::vector<RankStats> table;
     double waited = 0;  // seconds the host blocked on the device's copy
   };
-  Late read(int64_t step);
+  Checked read(int64_t step);
 
   // The event of an anomalous step (the counters as it leaves them: `before` counted with it),
   // written to the event file once one is open; a failed write is reported once through `warn`

@@ -31,12 +31,19 @@ at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::
   const auto o = shard.options();
   const at::Tensor own = local.defined() ? local.narrow(0, 0, 2) : at::zeros({2}, o);
   const at::Tensor bad = at::isfinite(sample_losses).logical_not().sum().to(at::kDouble);
-  // The RankStats layout: shard nonfinite, sumsq; local nonfinite, sumsq; loss; stop;
-  // overflow runs; bad samples; compute seconds (the stats buffers: nonfinite, sumsq, overflow
-  // runs, ...).
-  static_assert(kRankStatsDoubles == 9, "rank_row writes the nine fields of RankStats");
-  return at::cat({shard.narrow(0, 0, 2), own, loss.reshape({1}), at::full({1}, stop, o),
-                  shard.narrow(0, 2, 1), bad.reshape({1}), at::full({1}, compute_seconds, o)});
+  // Each field where the core's row puts it (core::StatsField); the stats buffers hold
+  // nonfinite, sumsq, overflow runs, ...
+  std::vector<at::Tensor> f(core::kStatsDoubles);
+  f[core::kShardNonfinite] = shard.narrow(0, 0, 1);
+  f[core::kShardSumsq] = shard.narrow(0, 1, 1);
+  f[core::kLocalNonfinite] = own.narrow(0, 0, 1);
+  f[core::kLocalSumsq] = own.narrow(0, 1, 1);
+  f[core::kLoss] = loss.reshape({1});
+  f[core::kStopRequested] = at::full({1}, stop, o);
+  f[core::kOverflowRuns] = shard.narrow(0, 2, 1);
+  f[core::kBadSamples] = bad.reshape({1});
+  f[core::kComputeSeconds] = at::full({1}, compute_seconds, o);
+  return at::cat(f);
 }
 
 std::vector<RankStats> stats_of(const at::Tensor& table) {

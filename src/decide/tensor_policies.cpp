@@ -19,9 +19,9 @@ TensorPolicies::TensorPolicies(const SkipConfig& skip, std::vector<std::string> 
 
 bool TensorPolicies::needs_norms(const Verdict& v) const {
   if (!active()) return false;
-  const kernels::DecideResult r = result_of(v);
-  return kernels::tensor_step_taken(r) ||
-         (rule_.reset != 0 && kernels::global_spike(r, v.scope == "global"));
+  const core::DecideResult r = result_of(v);
+  return core::tensor_step_taken(r) ||
+         (rule_.reset != 0 && core::global_spike(r, v.scope));
 }
 
 std::vector<double> TensorPolicies::norms(const at::Tensor& table, double loss_scale) const {
@@ -30,24 +30,24 @@ std::vector<double> TensorPolicies::norms(const at::Tensor& table, double loss_s
   const int tensors = static_cast<int>(t.size(1));
   std::vector<double> out;
   for (int i = 0; i < tensors; ++i)
-    out.push_back(kernels::tensor_norm(t.const_data_ptr<double>(), world, tensors, i, loss_scale));
+    out.push_back(core::tensor_norm(t.const_data_ptr<double>(), world, tensors, i, loss_scale));
   return out;
 }
 
 TensorActions TensorPolicies::decide(const std::vector<double>& norms, Verdict& v) {
   TensorActions a;
-  const kernels::DecideResult r = result_of(v);
-  const bool spike = kernels::global_spike(r, v.scope == "global");
+  const core::DecideResult r = result_of(v);
+  const bool spike = core::global_spike(r, v.scope);
   for (size_t i = 0; i < names_.size(); ++i) {
-    const kernels::TensorAction t =
-        kernels::decide_tensor(rule_, count_, gamma_[i], norms[i], r, spike);
+    const core::TensorAction t =
+        core::decide_tensor(rule_, count_, gamma_[i], norms[i], r, spike);
     if (t.reset) {
       a.reset.insert(names_[i]);
       v.moments_reset.push_back(names_[i]);
     }
     if (t.factor < 1.0) a.factors[names_[i]] = t.factor;
   }
-  if (!kernels::tensor_step_taken(r)) return a;
+  if (!core::tensor_step_taken(r)) return a;
   v.tensors_clipped = static_cast<int64_t>(a.factors.size());
   ++count_;
   return a;
@@ -78,7 +78,7 @@ TensorActions TensorPolicies::on_device(const DeviceDecision::Update& u) const {
   return a;
 }
 
-void TensorPolicies::mirror(int64_t step, const DeviceDecision::Late& late, Verdict& v) {
+void TensorPolicies::mirror(int64_t step, const DeviceDecision::Readback& late, Verdict& v) {
   if (!active()) return;
   const TensorActions a = decide(norms(late.tensor_sums, v.loss_scale), v);
   for (size_t i = 0; i < names_.size(); ++i) {

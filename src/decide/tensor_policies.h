@@ -1,6 +1,6 @@
 // The per-tensor policies of the decision (skip.adaptive_clip = "adagc": AdaGC's clip of each
 // tensor to its own EMA; skip.spike_moment_reset: SPAM's reset of the moments a global spike
-// hit), over the one core's rules (kernels/decision.h, "per tensor"). After the agreed global
+// hit), over the one core's rules (decide/core/tensors.h). After the agreed global
 // decision, every rank gathers every rank's per-tensor partial sums of squares (check [B]'s
 // stats buffer: one more small all-gather, [W, tensors] doubles) on the steps that need them, adds
 // them in rank order and reaches the same factors and the same reset tensors. Its thresholds
@@ -9,7 +9,7 @@
 // (with_sums), the device decides every tensor and the optimizer acts on what it wrote; a step
 // later the host decides the same from the copied sums and checks they agree (mirror). The
 // PyTorch guard runs the same decide() over sums it exchanges itself (python/csrc/ext.cpp);
-// step() and TensorActions::apply_to, lockstep's own step's side, are in tensor_step.cpp.
+// step() and TensorActions::apply_to, lockstep's own step's side, are in tensor_policies_trainer.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,9 +25,10 @@
 
 #include "comm/comm.h"
 #include "decide/device_decision.h"
-#include "kernels/decision.h"
+#include "decide/core/step.h"
+#include "decide/core/tensors.h"
 #include "lockstep/config.h"
-#include "lockstep/decision.h"
+#include "decide/verdict.h"
 #include "optim/adamw.h"
 
 namespace lockstep {
@@ -51,7 +52,7 @@ class TensorPolicies {
   TensorPolicies(const SkipConfig& skip, std::vector<std::string> names, Comm* comm);
   bool active() const { return rule_.clip != 0 || rule_.reset != 0; }
 
-  // (tensor_step.cpp) The per-tensor part of the decided step `v` from this rank's check [B]
+  // (tensor_policies_trainer.cpp) The per-tensor part of the decided step `v` from this rank's check [B]
   // stats buffer (kernels/gradcheck.h's layout): the factors of a taken step, the tensors a
   // global spike hit; notes them in `v` (tensors_clipped, moments_reset) and advances the
   // thresholds on a taken step. Collective on the steps that need the norms: every rank calls it with the same
@@ -75,7 +76,7 @@ class TensorPolicies {
   // A step later: the same decision on the host from the device's copied sums, noted in `v`
   // (the thresholds advance as on the host path); throws (exit code 4) when the device's
   // factors or resets differ, a bug.
-  void mirror(int64_t step, const DeviceDecision::Late& late, Verdict& v);
+  void mirror(int64_t step, const DeviceDecision::Readback& late, Verdict& v);
 
   const std::vector<std::string>& names() const { return names_; }
   int64_t taken() const { return count_; }
@@ -86,7 +87,7 @@ class TensorPolicies {
  private:
   bool needs_norms(const Verdict& v) const;
 
-  kernels::TensorRule rule_;
+  core::TensorRule rule_;
   std::vector<std::string> names_;
   Comm* comm_;
   int64_t count_ = 0;          // taken steps seen (the warm-up's clock)

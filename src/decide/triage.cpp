@@ -162,7 +162,7 @@ void Triager::probe(int64_t step, const std::vector<RankStats>& table, const Tri
   if (reproduced || contains(t.culprits, target)) return;
   t.culprits.push_back(target);
   std::sort(t.culprits.begin(), t.culprits.end());
-  t.reasons.emplace_back("replay_mismatch");
+  t.reasons |= core::kReplayMismatch;
   t.hardware_suspects.push_back(target);
   t.cause = t.cause.empty() ? kCauseHardware : joined_causes({t.cause, kCauseHardware});
   t.skip_step = true;  // the synced gradient holds a contribution no one can vouch for

@@ -11,7 +11,7 @@
 #include <set>
 
 #include "diag/event.h"
-#include "diag/fault.h"
+#include "fault.h"
 #include "fsutil.h"
 #include "pyscript.h"
 #include "lockstep/error.h"

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "decide/names.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
@@ -23,6 +24,7 @@ json to_json(const Event::RankRow& r) {
     j["bad_samples"] = r.bad_samples;
     j["grad_norm_z"] = json_number(r.grad_norm_z);
     j["loss_z"] = json_number(r.loss_z);
+    j["reasons"] = reason_names(r.reasons);
     j["dropped"] = r.dropped;
   }
   if (!r.params_crc32.empty()) j["params_crc32"] = r.params_crc32;
@@ -42,6 +44,7 @@ Event::RankRow row_from_json(const json& j) {
     r.bad_samples = j.at("bad_samples").get<int64_t>();
     r.grad_norm_z = number_from_json(j.value("grad_norm_z", json("NaN")));
     r.loss_z = number_from_json(j.value("loss_z", json("NaN")));
+    r.reasons = reason_bits(j.value("reasons", std::vector<std::string>{}));
     r.dropped = j.value("dropped", false);
   }
   r.params_crc32 = j.value("params_crc32", "");
@@ -85,7 +88,7 @@ Event::Replay replay_from_json(const json& j) {
 void add_cause(json& j, const Event& e) {
   json replays = json::array();
   for (const auto& r : e.replays) replays.push_back(to_json(r));
-  j["scope"] = e.scope;
+  j["scope"] = scope_name(e.scope);
   j["cause"] = e.cause;
   j["replays"] = replays;
   j["hardware_suspects"] = e.hardware_suspects;
@@ -95,7 +98,7 @@ void add_cause(json& j, const Event& e) {
 }
 
 void read_cause(const json& j, Event& e) {
-  e.scope = j.value("scope", "");
+  e.scope = scope_named(j.value("scope", ""));
   e.cause = j.value("cause", "");
   for (const auto& r : j.value("replays", json::array())) e.replays.push_back(replay_from_json(r));
   e.hardware_suspects = j.value("hardware_suspects", std::vector<int>{});
@@ -146,8 +149,8 @@ json to_json(const Event& e) {
   json ranks = json::array();
   for (const auto& r : e.ranks) ranks.push_back(to_json(r));
   json j = {{"step", e.step},
-          {"decision", e.decision},
-          {"reasons", e.reasons},
+          {"decision", decision_name(e.decision)},
+          {"reasons", reason_names(e.reasons)},
           {"guard", e.guard},
           {"global",
            {{"grad_norm", json_number(g.grad_norm)}, {"nonfinite", static_cast<int64_t>(g.nonfinite)},
@@ -178,8 +181,8 @@ json to_json(const Event& e) {
 Event event_from_json(const json& j) {
   Event e;
   e.step = j.at("step").get<int64_t>();
-  e.decision = j.at("decision").get<std::string>();
-  e.reasons = j.at("reasons").get<std::vector<std::string>>();
+  e.decision = decision_named(j.at("decision").get<std::string>());
+  e.reasons = reason_bits(j.at("reasons").get<std::vector<std::string>>());
   e.guard = j.at("guard").get<std::string>();
   const json& g = j.at("global");
   e.global = {number_from_json(g.at("grad_norm")), number_from_json(g.at("nonfinite")),

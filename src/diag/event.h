@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "decide/verdict.h"
 #include "run_state.h"
 
 namespace lockstep {
@@ -53,6 +54,7 @@ struct Event {
     double loss = kNaN, local_grad_norm = kNaN;
     int64_t local_nonfinite = 0, shard_nonfinite = 0, bad_samples = 0;
     double grad_norm_z = kNaN, loss_z = kNaN;  // its own values against its own windows
+    uint32_t reasons = 0;                       // ... and why it stands out (core::Reason)
     bool dropped = false;                       // a salvage left its contribution out
     std::string params_crc32, optimizer_crc32;  // desync events only
   };
@@ -65,11 +67,12 @@ struct Event {
   };
 
   int64_t step = 0;
-  std::string decision;              // "skip" | "abort" | "clip" | "salvage" | "step"
-  std::string scope;                 // "local" | "global" | ""
-  std::string cause;                 // data | transient_fault | hardware | instability | ""
-  std::vector<std::string> reasons;  // see Verdict::reasons; "desync"
-  std::string guard;                 // what turned it into an abort
+  Decision decision = Decision::kSkip;
+  core::Scope scope = core::kNoScope;
+  std::string cause;       // data | transient_fault | hardware | instability | ""
+  uint32_t reasons = 0;    // core::Reason bits (written as their names)
+  core::Why why = core::kNoWhy;  // what turned it into an abort (not written: `guard` says it)
+  std::string guard;       // ... as the message says it
   Global global;
   Window window;
   Thresholds thresholds;

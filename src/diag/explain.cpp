@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "decide/names.h"
 #include "lockstep/error.h"
 
 namespace lockstep {
@@ -24,14 +25,10 @@ std::string culprits_text(const std::vector<int>& culprits) {
                      fmt::join(culprits, ", "));
 }
 
-// How many ranks' own values stand out in the event's table.
+// How many ranks' own values stand out in the event's table (the core's finding per rank).
 int64_t elevated_ranks(const Event& e) {
   int64_t elevated = 0;
-  for (const auto& r : e.ranks)
-    elevated += r.local_nonfinite > 0 || r.grad_norm_z > e.thresholds.grad_norm_zscore ||
-                        r.loss_z > e.thresholds.loss_zscore
-                    ? 1
-                    : 0;
+  for (const auto& r : e.ranks) elevated += r.reasons != 0 ? 1 : 0;
   return elevated;
 }
 
@@ -47,6 +44,7 @@ std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, const
     row.bad_samples = static_cast<int64_t>(table[r].bad_samples);
     if (r < v.rank_grad_norm_z.size()) row.grad_norm_z = v.rank_grad_norm_z[r];
     if (r < v.rank_loss_z.size()) row.loss_z = v.rank_loss_z[r];
+    if (r < v.rank_reasons.size()) row.reasons = v.rank_reasons[r];
     row.dropped = std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), static_cast<int>(r)) !=
                   v.dropped_ranks.end();
     rows.push_back(row);
@@ -104,7 +102,7 @@ void check_sample_table(const SampleTable& t) {
 SampleEvidence judge_samples(const Verdict& v, const SampleTable& t, double zscore) {
   SampleEvidence out;
   check_sample_table(t);  // every index below is in range
-  if (v.scope == "global") return out;  // the model, not a batch
+  if (v.scope == core::kGlobal) return out;  // the model, not a batch
   const bool data = v.cause.find(kCauseData) != std::string::npos;
   for (int r : v.culprit_ranks) {
     if (r < 0 || static_cast<size_t>(r) >= t.ids.size()) continue;  // no samples given
@@ -159,10 +157,11 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
   const double scale = v.loss_scale;  // the checks see scaled gradients; events show them unscaled
   Event e;
   e.step = after.step;
-  e.decision = decision_name(v.decision);
+  e.decision = v.decision;
   e.scope = v.scope;
   e.cause = v.cause;
   e.reasons = v.reasons;
+  e.why = v.why;
   e.guard = v.guard;
   e.global = {v.grad_norm,   v.nonfinite, v.loss,  v.overflow_runs,
               v.grad_norm_z, v.loss_z,    scale, v.clip_to};
@@ -188,7 +187,7 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
   // With no check of each rank's own gradient (FSDP2, or diagnostics.local_check off) the ranks'
   // gradients were mixed before any check: a global verdict no rank's own values explain says
   // nothing of the cause.
-  if (!mine.local_checked && e.scope == "global" && elevated_ranks(e) == 0) e.cause = "";
+  if (!mine.local_checked && e.scope == core::kGlobal && elevated_ranks(e) == 0) e.cause = "";
   e.culprit_ranks = v.culprit_ranks;
   SampleEvidence evidence = judge_samples(v, samples, thresholds_.loss_zscore);
   e.quarantine_sample_ids = std::move(evidence.quarantine);
@@ -210,9 +209,9 @@ namespace {
 // "local: culprit rank 1 (cause data)" / "global: most ranks' own values elevated (instability,
 // not data)".
 std::string scope_text(const Event& e) {
-  if (e.cause == kCauseModel)
+  if (e.why == core::kNonfiniteParameters)
     return "the model: its own parameters are nonfinite (no rank's batch, no sample to blame)";
-  if (e.scope == "global") {
+  if (e.scope == core::kGlobal) {
     const int64_t elevated = elevated_ranks(e);
     if (elevated == 0 && e.local.top_params_scope != "local")
       return "global: no rank can be named (the ranks' gradients were combined before the check, "
@@ -222,7 +221,8 @@ std::string scope_text(const Event& e) {
                                                   e.ranks.size())
                                     : std::string("no rank stands out alone"));
   }
-  std::string out = (e.scope.empty() ? "" : e.scope + ": ") + culprits_text(e.culprit_ranks);
+  std::string out = (e.scope == core::kNoScope ? "" : std::string(scope_name(e.scope)) + ": ") +
+                    culprits_text(e.culprit_ranks);
   if (!e.cause.empty()) out += " (cause " + e.cause + ")";
   if (!e.hardware_suspects.empty())
     out += fmt::format("; device of rank {} suspect, see `lockstep diag`",
@@ -276,23 +276,26 @@ std::string guard_hint(const Event& e, const std::string& run_dir) {
               : fmt::format("exclude the bad samples with `lockstep diag {}` and "
                             "data.exclude_ids_file",
                             run_dir);
-  if (e.guard.rfind("skip.enabled", 0) == 0)
-    return exclude + ", or set " + setting(e, "skip.enabled", "true") + " to skip such steps";
-  if (e.guard.rfind("skip.on_global_spike", 0) == 0)
-    return "most ranks' own values spiked together: the model or optimizer state, not a batch; "
-           "lower the learning rate, or set " +
-           setting(e, "skip.on_global_spike", "\"clip\"") + " to take such steps clipped";
-  if (e.cause == kCauseModel)
-    return pytorch ? "the weights themselves are nonfinite (nothing quarantined): check the "
-                     "weights you loaded, or resume from a checkpoint saved before they went "
-                     "nonfinite"
-                   : "the weights themselves are nonfinite (nothing quarantined, nothing "
-                     "saved): check checkpoint.initial_load_path's weights, or resume from a "
-                     "checkpoint saved before they went nonfinite (checkpoint.load_step)";
-  if (e.guard.rfind("skip.on_hardware_fault", 0) == 0)
-    return fmt::format("drain the host of rank {} (`lockstep diag {}` lists the suspects) and run "
-                       "the same command without it; exit code 5",
-                       fmt::join(e.hardware_suspects, ", "), run_dir);
+  switch (e.why) {
+    case core::kSkipDisabled:
+      return exclude + ", or set " + setting(e, "skip.enabled", "true") + " to skip such steps";
+    case core::kGlobalSpikeAbort:
+      return "most ranks' own values spiked together: the model or optimizer state, not a "
+             "batch; lower the learning rate, or set " +
+             setting(e, "skip.on_global_spike", "\"clip\"") + " to take such steps clipped";
+    case core::kNonfiniteParameters:
+      return pytorch ? "the weights themselves are nonfinite (nothing quarantined): check the "
+                       "weights you loaded, or resume from a checkpoint saved before they went "
+                       "nonfinite"
+                     : "the weights themselves are nonfinite (nothing quarantined, nothing "
+                       "saved): check checkpoint.initial_load_path's weights, or resume from a "
+                       "checkpoint saved before they went nonfinite (checkpoint.load_step)";
+    case core::kHardwareFaultAbort:
+      return fmt::format("drain the host of rank {} (`lockstep diag {}` lists the suspects) and "
+                         "run the same command without it; exit code 5",
+                         fmt::join(e.hardware_suspects, ", "), run_dir);
+    default: break;
+  }
   if (pytorch)
     return exclude + "; to go past this guard, raise its limit, or load the guard's state with " +
            setting(e, "skip.reset_guards_on_resume", "true");
@@ -313,41 +316,41 @@ std::string reset_text(const Event& e) {
 }  // namespace
 
 std::string skip_message(const Event& e) {
-  if (e.reasons == std::vector<std::string>{"loss_scale_overflow"})
+  if (e.reasons == core::kLossScaleOverflow)
     return fmt::format(
         "step {}: SKIP (loss_scale_overflow) | {} nonfinite gradient elements at loss scale {:g}, "
         "every loss finite: an fp16 overflow, not bad data; the scale backs off | weights and "
         "optimizer state untouched; {} overflow skips",
         e.step, static_cast<int64_t>(e.global.nonfinite), e.global.loss_scale,
         e.counters.overflow_skips);
-  if (e.decision == "clip")
+  if (e.decision == Decision::kClip)
     return fmt::format(
         "step {}: CLIP ({}) | {} | {} | the step is taken clipped to grad norm {:.4g}{}; "
         "nothing quarantined; clipped {} of {}",
-        e.step, fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), e.global.clip_to,
+        e.step, fmt::join(reason_names(e.reasons), ", "), numbers_text(e), scope_text(e), e.global.clip_to,
         reset_text(e), e.counters.clipped_steps, e.step);
-  if (e.decision == "salvage")
+  if (e.decision == Decision::kSalvage)
     return fmt::format(
         "step {}: SALVAGE ({}) | {} | rank{} {} contributed nothing, the other ranks stepped "
         "(mean over their tokens) | {} | salvaged {} of {}, {} contributions dropped",
-        e.step, fmt::join(e.reasons, ", "), scope_text(e), e.dropped_ranks.size() > 1 ? "s" : "",
+        e.step, fmt::join(reason_names(e.reasons), ", "), scope_text(e), e.dropped_ranks.size() > 1 ? "s" : "",
         fmt::join(e.dropped_ranks, ", "), samples_text(e),
         e.counters.salvaged_steps, e.step, e.counters.dropped_contributions);
-  if (e.decision == "step")
+  if (e.decision == Decision::kStep)
     return fmt::format(
         "step {}: STEP after replay ({}) | {} | {} | the replayed gradient was synced; the step "
         "is taken",
-        e.step, fmt::join(e.reasons, ", "), scope_text(e), replayed_text(e));
+        e.step, fmt::join(reason_names(e.reasons), ", "), scope_text(e), replayed_text(e));
   return fmt::format(
       "step {}: SKIP ({}) | {} | {} | {} | {}; skipped {} of {}", e.step,
-      fmt::join(e.reasons, ", "), numbers_text(e), scope_text(e), samples_text(e),
+      fmt::join(reason_names(e.reasons), ", "), numbers_text(e), scope_text(e), samples_text(e),
       e.moments_reset.empty() ? "weights and optimizer state untouched"
                               : "weights untouched" + reset_text(e),
       e.counters.skipped_steps, e.step);
 }
 
 std::string abort_message(const Event& e, const std::string& saved, const std::string& run_dir) {
-  if (e.reasons == std::vector<std::string>{"loss_scale_overflow"})
+  if (e.reasons == core::kLossScaleOverflow)
     return fmt::format(
         "step {}: aborted on loss_scale_overflow ({}) | {} nonfinite gradient elements at loss "
         "scale {:g} with every loss finite, {} overflow skips in all | {}; the fp16 gradients "
@@ -357,7 +360,7 @@ std::string abort_message(const Event& e, const std::string& saved, const std::s
         e.counters.overflow_skips, saved);
   return fmt::format("step {}: aborted on {} ({}) | {} | {} | {} | {}; details in "
                      "{}/diagnostics; {}",
-                     e.step, fmt::join(e.reasons, ", "), e.guard, numbers_text(e), scope_text(e),
+                     e.step, fmt::join(reason_names(e.reasons), ", "), e.guard, numbers_text(e), scope_text(e),
                      samples_text(e), saved, run_dir, guard_hint(e, run_dir));
 }
 

@@ -12,7 +12,7 @@
 #include "decide/detector.h"
 #include "decide/exchange.h"
 #include "diag/event.h"
-#include "diag/fault.h"
+#include "fault.h"
 #include "tensors.h"
 
 namespace lockstep {

@@ -1,4 +1,4 @@
-// Applies a fault plan (diag/fault.h) to a running step, where bad data or bad hardware would
+// Applies a fault plan (src/fault.h) to a running step, where bad data or bad hardware would
 // act: the per-sample losses, the loss back-propagated, the process, the weights. Never inside
 // the gradient check. The step calls it at these named points.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "diag/fault.h"
+#include "fault.h"
 #include "tensors.h"
 
 namespace lockstep {

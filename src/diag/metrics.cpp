@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "decide/names.h"
 #include "log.h"
 
 namespace lockstep {

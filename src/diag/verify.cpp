@@ -52,8 +52,8 @@ Event desync_event(int64_t step, int rank, FaultKind fault, const ReplicaVote& v
                    const DeviceSuspects& suspects) {
   Event e;
   e.step = step;
-  e.decision = "abort";
-  e.reasons = {"desync"};
+  e.decision = Decision::kAbort;
+  e.reasons = core::kDesync;
   e.guard = "diagnostics.verify_every";
   e.rank = rank;
   e.local.fault = fault_name(fault);

@@ -13,7 +13,7 @@
 
 #include "comm/comm.h"
 #include "diag/event.h"
-#include "diag/fault.h"
+#include "fault.h"
 #include "tensors.h"
 
 namespace lockstep {

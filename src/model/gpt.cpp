@@ -59,7 +59,8 @@ Gpt::Gpt(const ModelConfig& config, uint64_t seed, c10::Device device, UnitSink*
   }
   lnf_w_ = ones("ln_f.weight", C);
   lnf_b_ = zeros("ln_f.bias", C);
-  end_unit();  // the head also reads wte (tied): fsdp does not shard gpt
+  end_unit();
+  tie_to_embeddings();  // the head is wte
 }
 
 at::Tensor Gpt::block(const Block& b, const at::Tensor& x_in, bool train) const {

@@ -94,7 +94,8 @@ Llama::Llama(const ModelConfig& config, uint64_t seed, c10::Device device, UnitS
                 ? tok_embeddings_
                 : add("output.weight", trunc_normal({V, C}, out_std, -3 * out_std, 3 * out_std, gen),
                       device);
-  end_unit();  // tied, the head reads unit 0's tensor (fsdp refuses it: config.cpp)
+  end_unit();
+  if (cfg_.tie_embeddings) tie_to_embeddings();
 
   // Angles t / theta^(2i / hd) for the interleaved pairs (2i, 2i + 1), in fp32 as torchtitan.
   at::Tensor inv = at::pow(cfg_.rope_theta, at::arange(0, hd, 2, f32).div(static_cast<double>(hd)))

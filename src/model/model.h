@@ -54,6 +54,8 @@ class Model {
   // The parameters registered since the last call, as the next unit (in forward order), handed
   // to the sink if there is one.
   void end_unit();
+  // The unit just ended also reads unit 0 (its head is the token embedding).
+  void tie_to_embeddings() { units_.last_also_reads(0); }
 
   ModelConfig cfg_;
   ModelSize size_;

@@ -95,7 +95,10 @@ double state_bytes_per_rank(const ModelSize& size, const Config& c, ParallelMode
                                                            : 0;
   const double unit = static_cast<double>(largest_unit(size));
   const double units = gpu ? 2 : 4, copies = gpu ? 3 : 5;
-  const double passing = units * unit * p + (overlap ? unit * (p + copies * r) : 0);
+  // A tied head keeps the embedding's unit gathered from the head's forward to the end of the
+  // backward: one unit more.
+  const double tied = size.tied_head > 0 ? static_cast<double>(size.embedding) * p : 0;
+  const double passing = units * unit * p + tied + (overlap ? unit * (p + copies * r) : 0);
   return (grads + spread / static_cast<double>(world)) * n + passing + largest;
 }
 

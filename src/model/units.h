@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <utility>
 #include <vector>
 
 namespace lockstep {
@@ -44,11 +45,22 @@ class Units {
   void set_recompute(std::vector<bool> recompute) { recompute_ = std::move(recompute); }
   void set_hooks(UnitHooks* hooks) { hooks_ = hooks; }
 
+  // The last unit added also reads unit `unit`'s parameters (a head tied to the embedding):
+  // fsdp keeps that unit gathered while it computes, as FSDP2 keeps a tied weight in one unit.
+  void last_also_reads(int unit) { reads_.push_back({size() - 1, unit}); }
+
   int size() const { return static_cast<int>(params_.size()); }
   const std::vector<int>& params(int unit) const { return params_.at(unit); }
+  // The unit that unit `unit` also reads, or -1.
+  int also_reads(int unit) const {
+    for (const auto& [u, r] : reads_)
+      if (u == unit) return r;
+    return -1;
+  }
 
  private:
   std::vector<std::vector<int>> params_;
+  std::vector<std::pair<int, int>> reads_;  // (unit, the unit it also reads)
   std::vector<bool> recompute_;
   UnitHooks* hooks_ = nullptr;
 };

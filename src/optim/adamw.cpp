@@ -16,7 +16,7 @@
 #define LOCKSTEP_HAVE_FUSED_ADAMW 0
 #endif
 
-#include "kernels/decision.h"
+#include "decide/core/rules.h"
 #include "optim/tensor_values.h"
 
 namespace lockstep {
@@ -203,7 +203,7 @@ std::vector<NamedTensor> AdamW::state() const {
 }
 
 double clip_coefficient(double total_norm, double max_norm) {
-  return kernels::clip_coefficient(total_norm, max_norm);  // the device's too
+  return core::clip_coefficient(total_norm, max_norm);  // the device's too
 }
 
 }  // namespace lockstep

@@ -135,16 +135,21 @@ class Fsdp final : public DataParallel, public UnitHooks {
   // ---- the units (UnitHooks) ----------------------------------------------------------------
   void before_forward(int u) override {
     gathered(u);
+    if (units_[u].reads >= 0) gathered(units_[u].reads);  // a tied head: the embedding again
     if (prefetch_ && u + 1 < static_cast<int>(units_.size())) start_gather(u + 1);
   }
   void after_forward(int u) override {
     const bool backward_next = c10::GradMode::is_enabled() && u + 1 == static_cast<int>(units_.size());
-    if (!backward_next) release(u);
+    if (backward_next) return;  // the head (and what it reads) stays for the backward
+    release(u);
+    if (units_[u].reads >= 0) release(units_[u].reads);
   }
   void before_backward(int u) override {
     if (u + 1 == static_cast<int>(units_.size()))  // the head's: a backward begins
       for (Unit& x : units_) x.pending = static_cast<int>(x.params.size());
     gathered(u);
+    // A tied unit stays gathered until its own backward, its gradients' last.
+    if (units_[u].reads >= 0) gathered(units_[u].reads);
     if (prefetch_ && u > 0) start_gather(u - 1);
     if (overlap_ && !units_[u].grad.defined()) allocate_gradient(units_[u]);
   }
@@ -229,6 +234,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
     at::Tensor grad;         // overlap: this step's unsharded gradient (P, W x block)
     at::Tensor local_stats;  // overlap: check [A] of `grad`, taken before it was sent
     int pending = 0;         // gradients of this backward not accumulated yet
+    int reads = -1;          // the unit whose parameters it also reads (a tied head), or -1
   };
 
   std::vector<AdamWParam> build(const Units& units, UnitSink* sink);
@@ -284,6 +290,7 @@ void Fsdp::lay_out(const Units& units) {
   for (int u = 0; u < units.size(); ++u) {
     Unit x;
     x.params = units.params(u);
+    x.reads = units.also_reads(u);
     x.offset = offset;
     for (int p : x.params) {
       if (p < 0 || p >= static_cast<int>(params_.size()) || unit_of_[p] != -1)
@@ -385,7 +392,7 @@ void Fsdp::start_gather(int u) {
     return;
   }
   at::Tensor out = x.full;  // one flat call per unit: no staging copy of a list of views
-  x.gathering = comm_->all_gather_flat_async(source, out);
+  x.gathering = comm_->all_gather_async(source, out);
 }
 
 // Unit u's parameters hold their values once this returns.
@@ -481,7 +488,7 @@ void Fsdp::reduce_scatter(int u, const at::Tensor& unit_grad) {
   if (send.scalar_type() != reduce_dtype_) send = unit_grad.to(reduce_dtype_);
   std::unique_ptr<CommWork> work;
   at::Tensor out = grad_shard_.narrow(0, x.shard_at, x.block);
-  if (comm_) work = comm_->reduce_scatter_flat_async(send, out);
+  if (comm_) work = comm_->reduce_scatter_sum_async(send, out);
   else out.copy_(send);
   if (overlap_ && !send.is_same(unit_grad)) {  // only the staged copy stays until it lands
     x.grad = send;

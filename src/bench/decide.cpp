@@ -1,7 +1,7 @@
 // `lockstep bench decision`: what the step decision itself costs as the world grows, apart
 // from the collective that brings the table (measured by `lockstep bench comm`). Two forms of
 // the one decision over the same tables: the host's SkipDetector (the core plus the names: scope
-// and culprits) and kernels/decision.h's decide_step alone (the device's form, here compiled for
+// and culprits) and core::decide_step alone (the device's form, here compiled for
 // the host). Every timed call's outcome is compared between the two.
 #include <fmt/core.h>
 
@@ -12,7 +12,8 @@
 #include "bench/machine.h"
 #include "decide/detector.h"
 #include "decide/device_decision.h"
-#include "kernels/decision.h"
+#include "decide/core/step.h"
+#include "decide/core/tensors.h"
 #include "lockstep/bench.h"
 
 namespace lockstep {
@@ -42,10 +43,10 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   SkipConfig cfg;
   cfg.enabled = true;  // and the default policy: a global spike is clipped
   SkipDetector detector(cfg, TrainingConfig{}, world);
-  std::vector<double> rings(kernels::decide_state_doubles(cfg.window, cfg.fraction_window, world));
-  kernels::DecideState s =
-      kernels::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, world, 1.0);
-  const kernels::DecideConfig c = decide_config(cfg, TrainingConfig{});
+  std::vector<double> rings(core::decide_state_doubles(cfg.window, cfg.fraction_window, world));
+  core::DecideState s =
+      core::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, world, 1.0);
+  const core::DecideConfig c = decide_config(cfg, TrainingConfig{});
   std::mt19937_64 rng(1);
   std::vector<std::vector<RankStats>> tables;
   for (int i = 0; i < o.steps; ++i) tables.push_back(healthy_table(rng, world));
@@ -58,14 +59,14 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
     host[i] = v.decision;
   }
   t.host_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / o.steps;
-  std::vector<double> flat(static_cast<size_t>(world) * kernels::kStatsDoubles);
+  std::vector<double> flat(static_cast<size_t>(world) * core::kStatsDoubles);
   start = Clock::now();
   for (size_t i = 0; i < tables.size(); ++i) {
     std::memcpy(flat.data(), tables[i].data(), flat.size() * sizeof(double));
-    kernels::DecideResult r{};
+    core::DecideResult r{};
     float found_inf = 0, grad_scale = 0;
-    kernels::decide_step(flat.data(), world, s, c, r, &found_inf, &grad_scale);
-    t.agreed = t.agreed && (r.outcome == kernels::kTake) == (host[i] == Decision::kStep);
+    core::decide_step(flat.data(), world, s, c, r, &found_inf, &grad_scale);
+    t.agreed = t.agreed && (r.outcome == core::kTake) == (host[i] == Decision::kStep);
   }
   t.core_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / o.steps;
   return t;

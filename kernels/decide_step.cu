@@ -1,15 +1,12 @@
-// The step decision's shared core (kernels/decision.h) as one small kernel: a few hundred fp64
-// operations on one thread over a [W, 9] table and the windows (each rank's own read only on an
-// anomalous step), then each rank's windows advanced by a thread of its own; launched on the
-// step's stream, so the verdict, found_inf and grad_scale are written on the device without a
-// host round trip.
-// Compiled with --fmad=false (CMakeLists.txt): no FMA contraction, so the device computes the
-// host's bits.
+// The decision core (src/decide/core/) as two small kernels: one thread decides over the [W, 9]
+// table and the windows, then one thread per rank advances its own windows; the per-tensor rules
+// follow on the same stream. Compiled with --fmad=false (CMakeLists.txt): the host's bits.
 #include <cuda_runtime.h>
 
-#include "kernels/decision.h"
+#include "kernels/decide_step.h"
 
 namespace lockstep::kernels {
+using namespace core;
 namespace {
 
 __global__ void decide_kernel(const double* table, int world, DecideState* state,
@@ -18,7 +15,7 @@ __global__ void decide_kernel(const double* table, int world, DecideState* state
   if (threadIdx.x == 0) decide_global(table, world, *state, config, *out, found_inf, grad_scale);
   __syncthreads();  // the outcome, in global memory, is seen by the whole block
   for (int r = static_cast<int>(threadIdx.x); r < world; r += static_cast<int>(blockDim.x))
-    record_rank(*state, config, table, *out, Settled{}, r);
+    record_rank(*state, config, table, *out, BeforeSync{}, r);
 }
 
 // The per-tensor policies after the step's decision (the same stream: `result` is written).

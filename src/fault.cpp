@@ -1,4 +1,4 @@
-#include "diag/fault.h"
+#include "fault.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
