@@ -85,14 +85,15 @@ int fail(ExitCode code, const std::string& message) {
 struct Cli {
   CLI::App app{"lockstep: distributed training that skips bad gradient updates in lockstep",
                "lockstep"};
-  CLI::App *train, *show, *check, *keys, *faults, *info, *gradcheck, *comm, *decision, *diag,
-      *report, *version, *shard, *sample, *exporter, *importer, *generate;
+  CLI::App *train, *show, *check, *keys, *faults, *info, *gradcheck, *comm, *decision, *agree,
+      *diag, *report, *version, *shard, *sample, *exporter, *importer, *generate;
   std::string train_config, file, ckpt_dir, diag_dir, quarantine, report_dir, report_out;
   int64_t fault_ranks = 1;
   bool json = false, with_suspects = false;
   lockstep::GradcheckBenchOptions gradcheck_options;
   lockstep::CommBenchOptions comm_options;
   lockstep::DecisionBenchOptions decision_options;
+  lockstep::AgreeBenchOptions agree_options;
   lockstep::ShardOptions shard_options;
   lockstep::GenerateOptions generate_options;
   std::vector<int64_t> sample_ids;
@@ -148,6 +149,28 @@ void add_tools(Cli& c) {
   c.version = c.app.add_subcommand("version", "Print lockstep, LibTorch, CUDA, NCCL, MPI versions");
 }
 
+// `bench agree`: every rank's verdict compared each step (src/bench/agree.cpp).
+void add_agree(Cli& c, CLI::App* bench) {
+  auto& a = c.agree_options;
+  c.agree = bench->add_subcommand(
+      "agree", "Every rank's verdict compared each step under random faults; launch it on N ranks");
+  c.agree->add_option("--steps", a.steps, "Steps")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  c.agree->add_option("--gradient-per-rank", a.gradient_per_rank,
+                      "Synthetic gradient elements per rank")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  c.agree->add_option("--seed", a.seed, "Seed of the gradients and the faults")
+      ->capture_default_str();
+  c.agree->add_option("--backend", a.backend, "gloo or mpi (under mpirun)")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, lockstep::Backend>{
+          {"gloo", lockstep::Backend::kGloo}, {"mpi", lockstep::Backend::kMpi}}))
+      ->default_str("gloo");
+  c.agree->add_option("--disagree-rank", a.disagree_rank,
+                      "A self-test of the comparison: this rank decides without the norm z-score");
+}
+
 void add_bench(Cli& c) {
   auto* bench = c.app.add_subcommand("bench", "Benchmarks (results printed with machine and sizes)");
   bench->require_subcommand(1);
@@ -196,6 +219,7 @@ void add_bench(Cli& c) {
   c.decision->add_option("--steps", d.steps, "Decisions timed per world size")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  add_agree(c, bench);
 }
 
 // The tools around a run: data shards and samples, export, generation.
@@ -380,6 +404,8 @@ int run(Cli& c) {
     return fail(ExitCode::kFailure, "bench comm: a collective returned a wrong result");
   if (*c.decision && !lockstep::bench_decision(c.decision_options))
     return fail(ExitCode::kFailure, "bench decision: the two forms of the decision disagreed");
+  if (*c.agree && !lockstep::bench_agree(c.agree_options))
+    return fail(ExitCode::kFailure, "bench agree: the ranks decided differently");
   if (*c.diag) return diagnose(c);
   if (*c.report)
     return lockstep::render_report(c.report_dir,

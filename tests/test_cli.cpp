@@ -466,9 +466,11 @@ TEST(Bench, DecisionTimesBothFormsPerWorldSizeAndComparesThem) {
   CliRun r = run("bench decision --worlds 1 3 16 --steps 200");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("lockstep bench decision | "), std::string::npos) << r.out;
-  for (const char* row : {"\n     1 | ", "\n     3 | ", "\n    16 | "})
+  for (const char* row : {"\n      1 | ", "\n      3 | ", "\n     16 | "})
     EXPECT_NE(r.out.find(row), std::string::npos) << row << "\n" << r.out;
-  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 5) << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 6) << r.out;
+  // The bytes each rank receives: the other ranks' 72-byte rows (15 x 72 at 16 ranks).
+  EXPECT_NE(r.out.find(" 1.1 KiB |"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("| NO"), std::string::npos) << r.out;
   EXPECT_EQ(run("bench decision --worlds 0").code, 2);  // a one-line usage error
 }

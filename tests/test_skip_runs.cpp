@@ -644,3 +644,20 @@ TEST(Reliability, SigtermCutsALongAccumulationShortOnTheDeviceDecidedStep) {
 TEST(Reliability, SigtermCutsALongAccumulationShortInFsdp) {
   expect_stop_within_a_micro_batch("--model.name llama --parallelism.mode fsdp");
 }
+
+// 32 Gloo ranks on this 2-core machine, each running the step's checks, gradient all-reduce,
+// stats exchange and decision on synthetic gradients under random faults (`lockstep bench
+// agree`): every rank's verdict equal at every step; and a rank that decides with another
+// threshold is caught at the first step it differs.
+TEST(SkipAgreement, ThirtyTwoGlooRanksDecideAlikeAtEveryStep) {
+  const test::CliRun same = test::run_on_ranks(32, "bench agree --steps 60",
+                                               test::Launcher::kLockstepRun);
+  EXPECT_EQ(same.code, 0) << same.out;
+  EXPECT_NE(same.out.find("32 ranks over gloo"), std::string::npos) << same.out;
+  EXPECT_NE(same.out.find("every rank decided the same at every step"), std::string::npos)
+      << same.out;
+  const test::CliRun odd = test::run_on_ranks(32, "bench agree --steps 60 --disagree-rank 7",
+                                              test::Launcher::kLockstepRun);
+  EXPECT_NE(odd.code, 0) << odd.out;
+  EXPECT_NE(odd.out.find("the ranks decided differently at step"), std::string::npos) << odd.out;
+}

@@ -46,7 +46,21 @@ struct DecisionBenchOptions {
 };
 
 // `lockstep bench decision`: the cost of one step decision (host detector and the device's
-// form of it, computed on the host) per world size. Returns false if the two ever disagreed.
+// form of it, computed on the host), the bytes each rank exchanges and the decision's memory
+// per rank, per world size. Returns false if the two forms ever disagreed.
 bool bench_decision(const DecisionBenchOptions& options);
+
+struct AgreeBenchOptions {
+  int64_t steps = 200;
+  int64_t gradient_per_rank = 1024;
+  uint64_t seed = 1;
+  Backend backend = Backend::kGloo;
+  int disagree_rank = -1;  // a self-test: this rank decides without the norm z-score
+};
+
+// `lockstep bench agree`: run under a launcher; every rank runs the step's checks, gradient
+// all-reduce, stats exchange and decision on synthetic gradients with random faults, and the
+// ranks compare their verdicts each step. Returns false if any two ever differed.
+bool bench_agree(const AgreeBenchOptions& options);
 
 }  // namespace lockstep
