@@ -30,15 +30,35 @@ class C10dComm final : public Comm {
     o.rootRank = root;
     finish(g_.pg->broadcast(v, o), "broadcast")->wait();
   }
+  // Gloo reads and writes the blocks where they lie (its list forms take one pointer per
+  // block); NCCL's one-buffer forms want them back to back, so blocks apart are staged.
   std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) override {
     check_blocks(out, in, "all_gather");
-    at::Tensor i = in, o = out.view({-1});
-    return finish(g_.pg->_allgather_base(o, i), "all_gather");
+    at::Tensor i = in;
+    if (g_.name == "gloo" && !out.is_contiguous()) {
+      std::vector<std::vector<at::Tensor>> outs = {blocks_of(out)};
+      std::vector<at::Tensor> ins = {i};
+      return finish(g_.pg->allgather(outs, ins), "all_gather");
+    }
+    at::Tensor o = out.is_contiguous() ? out.view({-1}) : at::empty({out.numel()}, out.options());
+    auto work = finish(g_.pg->_allgather_base(o, i), "all_gather");
+    if (o.data_ptr() == out.data_ptr()) return work;
+    return std::make_unique<CommWork>(
+        [w = std::shared_ptr<CommWork>(std::move(work)), o, out]() mutable {
+          w->wait();
+          out.copy_(o.view(out.sizes()));
+        });
   }
   std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
                                                      at::Tensor& out) override {
     check_blocks(in, out, "reduce_scatter");
-    at::Tensor i = in.view({-1}), o = out;
+    at::Tensor o = out;
+    if (g_.name == "gloo") {  // also its one-buffer form all-reduces the whole buffer (slower)
+      std::vector<at::Tensor> outs = {o};
+      std::vector<std::vector<at::Tensor>> ins = {blocks_of(in)};
+      return finish(g_.pg->reduce_scatter(outs, ins), "reduce_scatter");
+    }
+    at::Tensor i = in.contiguous().view({-1});
     c10d::ReduceScatterOptions opts;
     return finish(g_.pg->_reduce_scatter_base(o, i, opts), "reduce_scatter");
   }
@@ -54,13 +74,17 @@ class C10dComm final : public Comm {
   }
 
  private:
-  // `whole` holds size() blocks of `block`, both contiguous.
+  // `whole` holds size() blocks of `block` (flat, or rows that are contiguous).
   void check_blocks(const at::Tensor& whole, const at::Tensor& block, const char* op) const {
-    if (whole.numel() != block.numel() * g_.size || !whole.is_contiguous() ||
-        !block.is_contiguous())
+    const bool rows = whole.is_contiguous() || (whole.dim() == 2 && whole.size(0) == g_.size &&
+                                                whole.stride(1) == 1);
+    if (whole.numel() != block.numel() * g_.size || !rows || !block.is_contiguous())
       throw std::invalid_argument(fmt::format(
-          "{} {}: needs contiguous tensors, one of {} blocks of the other's {} elements",
-          g_.name, op, g_.size, block.numel()));
+          "{} {}: needs {} blocks of the other tensor's {} elements, each contiguous", g_.name,
+          op, g_.size, block.numel()));
+  }
+  std::vector<at::Tensor> blocks_of(const at::Tensor& whole) const {
+    return whole.reshape({g_.size, -1}).unbind(0);  // rows are views: a flat buffer or strided
   }
   // The work's completion: a wait under the timeout.
   std::unique_ptr<CommWork> finish(c10::intrusive_ptr<c10d::Work> work, const char* op) {

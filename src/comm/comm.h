@@ -58,9 +58,10 @@ class Comm {
   // on every rank. A collective that does not finish within train_timeout_seconds makes wait()
   // throw an Error that names it (a lost rank never hangs the others).
   virtual std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) = 0;  // in place
-  // One contiguous buffer each way, size() blocks in rank order (c10d's _allgather_base and
-  // _reduce_scatter_base): `out` receives rank r's `in` in block r (all-gather); block r of
-  // every rank's `in` is summed into rank r's `out` (reduce-scatter).
+  // size() blocks in rank order each way: `out` receives rank r's `in` in block r (all-gather);
+  // block r of every rank's `in` is summed into rank r's `out` (reduce-scatter). The blocks are
+  // one tensor, a flat buffer or a [size(), n] view whose rows are contiguous (the same piece of
+  // every rank's block of a larger buffer): no list of per-rank tensors to build.
   virtual std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) = 0;
   virtual std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
                                                              at::Tensor& out) = 0;

@@ -84,16 +84,20 @@ class MpiComm final : public Comm {
     wait(req, "broadcast");
     back(h, t);
   }
+  // MPI wants the blocks back to back: blocks that lie apart are staged through one buffer.
   std::unique_ptr<CommWork> all_gather_async(const at::Tensor& in, at::Tensor& out) override {
-    const at::Tensor hin = host(in, "all_gather"), hout = host(out, "all_gather");
-    if (hout.numel() != hin.numel() * size_)
+    const at::Tensor hin = host(in, "all_gather");
+    if (out.numel() != hin.numel() * size_)
       throw std::invalid_argument("mpi all_gather: out holds one block of in per rank");
+    const at::Tensor hout =
+        host(out.is_contiguous() ? out : at::empty(out.sizes(), out.options()), "all_gather");
     MPI_Request req;
     const MPI_Datatype ty = mpi_type(hin, "all_gather");
     MPI_Iallgather(hin.data_ptr(), static_cast<int>(hin.numel()), ty, hout.data_ptr(),
                    static_cast<int>(hin.numel()), ty, comm_, &req);
-    return std::make_unique<CommWork>([this, req, hin, hout]() mutable {
+    return std::make_unique<CommWork>([this, req, hin, hout, out]() mutable {
       wait(req, "all_gather");
+      back(hout, out);
     });
   }
   std::unique_ptr<CommWork> reduce_scatter_sum_async(const at::Tensor& in,
@@ -101,7 +105,7 @@ class MpiComm final : public Comm {
     const int64_t n = out.numel();
     if (in.numel() != n * size_)
       throw std::invalid_argument("mpi reduce_scatter: in holds one block of out per rank");
-    at::Tensor hin = summable(host(in, "reduce_scatter"));
+    at::Tensor hin = summable(host(in.contiguous(), "reduce_scatter"));
     at::Tensor hout = summable(host(out, "reduce_scatter"));
     MPI_Request req;
     MPI_Ireduce_scatter_block(hin.data_ptr(), hout.data_ptr(), static_cast<int>(n),

@@ -1,13 +1,7 @@
-// The names of an anomaly's scope, culprits and cause (the core decides the outcome; this says
-// who and why, from the same core functions):
-//   local   a minority of ranks stand out against their own windows (or samples whose own
-//           loss is nonfinite name themselves): bad data or a bad device. The culprits are
-//           named; the step is skipped (skip.scope = "step"), or their contributions were
-//           dropped before the sync and the rest stepped (skip.scope = "rank", triage.cpp).
-//   global  most ranks' own values are elevated, or none stands out while the global value
-//           does: the model or the optimizer state, not a batch. No rank is blamed, nothing is
-//           quarantined; skip.on_global_spike says clip (default), skip or abort. A nonfinite
-//           gradient cannot be clipped: it is skipped whatever the scope.
+// Who stands out: each rank against its own windows, and the core's scope_of naming the
+// culprits of a local anomaly (a minority of ranks, or samples that name themselves: bad data or
+// a bad device) or none of a global one (most ranks: the model or the optimizer state, handled as
+// skip.on_global_spike says).
 #include "decide/detector.h"
 
 namespace lockstep {

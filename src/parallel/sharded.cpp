@@ -117,12 +117,10 @@ class Sharded final : public DataParallel {
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
 
  private:
-  // Elements [from, from + n) of every rank's block, reduce-scattered into grad_block_: one
-  // contiguous [W, n] input (the reduce buffer itself when the bucket is the whole block).
+  // Elements [from, from + n) of every rank's block, reduce-scattered into grad_block_.
   std::unique_ptr<CommWork> reduce_scatter(int64_t from, int64_t n) {
     at::Tensor out = grad_block_.narrow(0, from, n);
-    const at::Tensor in = rank_blocks(reduce_, from, n).contiguous();
-    return kept_until_waited(comm_->reduce_scatter_sum_async(in, out), in, {});
+    return comm_->reduce_scatter_sum_async(rank_blocks(reduce_, from, n), out);
   }
 
   // Overlap: the same calls as without it (so the same sums, bit for bit), started from the
@@ -207,28 +205,15 @@ class Sharded final : public DataParallel {
     }
     const at::Tensor source = param_block_.defined() ? param_block_.copy_(master_) : master_;
     in_buckets([&](int64_t from, int64_t n) {
-      const at::Tensor into = rank_blocks(flat_param_, from, n);
-      at::Tensor out = into.is_contiguous() ? into : at::empty({world_, n}, into.options());
-      return kept_until_waited(comm_->all_gather_async(source.narrow(0, from, n), out), out,
-                               into);
+      at::Tensor into = rank_blocks(flat_param_, from, n);
+      return comm_->all_gather_async(source.narrow(0, from, n), into);
     });
   }
 
-  // Elements [from, from + n) of every rank's block of `flat`, in rank order: a [W, n] view,
-  // contiguous when the bucket is the whole block.
+  // Elements [from, from + n) of every rank's block of `flat`, in rank order: a [W, n] view
+  // whose rows are contiguous (the Comm's blocks, read and written where they lie).
   at::Tensor rank_blocks(const at::Tensor& flat, int64_t from, int64_t n) const {
     return flat.view({world_, block_}).narrow(1, from, n);
-  }
-
-  // `work`, holding `buffer` until it is waited for; then the buffer is copied into `into`
-  // (defined and not the buffer itself: a bucket's strided view of every rank's block).
-  static std::unique_ptr<CommWork> kept_until_waited(std::unique_ptr<CommWork> work,
-                                                     at::Tensor buffer, at::Tensor into) {
-    return std::make_unique<CommWork>(
-        [w = std::shared_ptr<CommWork>(std::move(work)), buffer, into]() mutable {
-          w->wait();
-          if (into.defined() && !into.is_same(buffer)) into.copy_(buffer);
-        });
   }
 
   // Runs `start(from, n)` for each bucket of the block, two collectives in flight, all waited
