@@ -53,7 +53,7 @@ class C10dComm final : public Comm {
                                                      at::Tensor& out) override {
     check_blocks(in, out, "reduce_scatter");
     at::Tensor o = out;
-    if (g_.name == "gloo") {  // also its one-buffer form all-reduces the whole buffer (slower)
+    if (g_.name == "gloo") {  // also where they lie together: its one-buffer form was slower
       std::vector<at::Tensor> outs = {o};
       std::vector<std::vector<at::Tensor>> ins = {blocks_of(in)};
       return finish(g_.pg->reduce_scatter(outs, ins), "reduce_scatter");
