@@ -55,7 +55,8 @@ TEST(Scope, ASpikeOnEveryRankIsGlobalAndTakenClippedBlamingNoOne) {
   EXPECT_EQ(v.cause, kCauseInstability);
   EXPECT_TRUE(v.culprit_ranks.empty());
   EXPECT_DOUBLE_EQ(v.clip_to, bound);
-  for (double z : v.rank_grad_norm_z) EXPECT_GT(z, 4) << "every rank's own norm is elevated";
+  for (const auto& f : v.rank_findings)
+    EXPECT_GT(f.grad_norm_z, 4) << "every rank's own norm is elevated";
   d.record(v);
   EXPECT_EQ(d.consecutive_skips(), 0) << "a clip is not a skip";
   EXPECT_DOUBLE_EQ(d.state()["grad_norms"].back().get<double>(), bound)
@@ -72,8 +73,8 @@ TEST(Scope, ASpikeOnOneRankOfFourIsLocalAndSkippedNamingIt) {
   EXPECT_EQ(v.decision, Decision::kSkip);
   EXPECT_EQ(v.scope, core::kLocal);
   EXPECT_EQ(v.culprit_ranks, std::vector<int>{2});
-  EXPECT_GT(v.rank_grad_norm_z[2], 4);
-  EXPECT_LT(v.rank_grad_norm_z[0], 4);
+  EXPECT_GT(v.rank_findings[2].grad_norm_z, 4);
+  EXPECT_LT(v.rank_findings[0].grad_norm_z, 4);
 }
 
 TEST(Scope, OnGlobalSpikeSkipOrAbortAsConfigured) {

@@ -176,11 +176,7 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   // Only a step to explain needs the names: each rank against its own windows, the scope.
   if (r.reasons == 0 && triage.culprits.empty() && v.decision == Decision::kStep) return v;
   const LocalFindings f = findings(ranks, st);
-  for (const core::RankFinding& k : f.ranks) {
-    v.rank_grad_norm_z.push_back(k.grad_norm_z);
-    v.rank_loss_z.push_back(k.loss_z);
-    v.rank_reasons.push_back(k.reasons);
-  }
+  v.rank_findings = f.ranks;
   attribute(v, ranks, f, triage);
   return v;
 }

@@ -57,8 +57,8 @@ struct Verdict {
   bool overflow = false;               // an fp16 overflow, not bad data
   std::string cause;                   // kCause*, "" when unknown (no replay)
   std::vector<double> rank_grad_norm, rank_loss;      // each rank's own values (unscaled)
-  std::vector<double> rank_grad_norm_z, rank_loss_z;  // ... against its own windows, and
-  std::vector<uint32_t> rank_reasons;                 // why it stands out (anomalous steps)
+  std::vector<core::RankFinding> rank_findings;       // ... against its own windows: z-scores
+                                                      // and why it stands out (anomalous steps)
   std::vector<int> dropped_ranks;      // salvage: contributed nothing to the sync
   std::vector<ReplayResult> replays;
   std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed

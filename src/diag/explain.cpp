@@ -42,9 +42,11 @@ std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, const
     row.local_nonfinite = static_cast<int64_t>(table[r].local_nonfinite);
     row.shard_nonfinite = static_cast<int64_t>(table[r].shard_nonfinite);
     row.bad_samples = static_cast<int64_t>(table[r].bad_samples);
-    if (r < v.rank_grad_norm_z.size()) row.grad_norm_z = v.rank_grad_norm_z[r];
-    if (r < v.rank_loss_z.size()) row.loss_z = v.rank_loss_z[r];
-    if (r < v.rank_reasons.size()) row.reasons = v.rank_reasons[r];
+    if (r < v.rank_findings.size()) {
+      row.grad_norm_z = v.rank_findings[r].grad_norm_z;
+      row.loss_z = v.rank_findings[r].loss_z;
+      row.reasons = v.rank_findings[r].reasons;
+    }
     row.dropped = std::find(v.dropped_ranks.begin(), v.dropped_ranks.end(), static_cast<int>(r)) !=
                   v.dropped_ranks.end();
     rows.push_back(row);

@@ -79,10 +79,10 @@ enum Reason : uint32_t {
   kDesync = 1u << 8,            // host: the replica vote found diverged replicas
 };
 constexpr int kReasonCount = 9;
-constexpr uint32_t kCoreReasons = (1u << 6) - 1;  // the bits the core sets
 constexpr uint32_t kNonfinite = kNonfiniteGrad | kNonfiniteLoss;
 constexpr uint32_t kNormReasons = kGradNormAboveMax | kGradNormSpike | kGradNormZClip;
 constexpr uint32_t kSpikes = kNormReasons | kLossSpike;
+constexpr uint32_t kCoreReasons = kNonfinite | kSpikes;  // the bits the core sets
 
 struct Thresholds {
   bool enabled = false;         // skip.enabled: the thresholds below apply
