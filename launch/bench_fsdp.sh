@@ -45,7 +45,10 @@ peak, plan = 0.0, 0.0
 for r in range(world):
     log = open(f"{run}/logs/rank{r}.log").read()
     peak = max(peak, float(re.findall(r"peak resident memory (\d+) MiB", log)[-1]))
-    plan = mib(re.search(r"memory plan per rank: (?:up to )?([0-9.]+ [MG]iB)", log).group(1))
+    # the plan's parts (state, activations, runtime), to a tenth of a MiB
+    parts = re.search(r"memory plan per rank: .*?\(([0-9.]+ [MG]iB) of state.*?, ([0-9.]+ [MG]iB) of "
+                      r"activations, ([0-9.]+ [MG]iB) of runtime\)", log).groups()
+    plan = sum(mib(x) for x in parts)
 rows = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if "ms_per_step" in l]
 print(peak, plan, statistics.median(r["ms_per_step"] for r in rows[1:] or rows))
 PY

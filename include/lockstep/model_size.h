@@ -40,8 +40,10 @@ int64_t llama_ffn_hidden(const ModelConfig& model);
 double state_bytes_per_rank(const ModelSize& size, const Config& config, ParallelMode mode,
                             int64_t world, bool gpu = false);
 
-// The parameters of the largest unit fsdp gathers (the embeddings, a block, or the head).
+// The parameters of the largest unit fsdp gathers (the embeddings, a block, or the head), and
+// of its `k` largest together.
 int64_t largest_unit(const ModelSize& size);
+int64_t largest_units(const ModelSize& size, int k);
 
 // Which of `blocks` transformer blocks recompute their forward in backward (activation_checkpoint).
 std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, int64_t blocks);

@@ -1,5 +1,6 @@
 #include "diag/metrics.h"
 
+#include <dlfcn.h>
 #include <fmt/core.h>
 #include <unistd.h>
 #ifdef __GLIBC__
@@ -37,6 +38,14 @@ double peak_resident_mib() {
 }
 
 void return_free_memory() {
+  // jemalloc (CMakeLists.txt links it when installed) answers mallctl; looked up, not linked,
+  // so a build with the C library's malloc runs the same code.
+  using Mallctl = int (*)(const char*, void*, size_t*, void*, size_t);
+  static const auto mallctl = reinterpret_cast<Mallctl>(::dlsym(RTLD_DEFAULT, "mallctl"));
+  if (mallctl) {
+    mallctl("arena.4096.purge", nullptr, nullptr, nullptr, 0);  // 4096: MALLCTL_ARENAS_ALL
+    return;
+  }
 #ifdef __GLIBC__
   ::malloc_trim(0);
 #endif

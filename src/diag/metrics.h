@@ -17,8 +17,9 @@ namespace lockstep {
 // This process's resident memory now and at its peak, in MiB (Linux /proc; 0 elsewhere).
 double resident_mib();
 double peak_resident_mib();
-// Hands the heap's free memory back to the system (glibc's malloc_trim): what setup freed (the
-// model drawn on the CPU, then moved or sharded) would otherwise stay resident.
+// Hands the heap's free memory back to the system (jemalloc's purge of every arena when it is
+// the process's malloc, else glibc's malloc_trim): what setup freed (the model drawn on the
+// CPU, then moved or sharded) would otherwise stay resident.
 void return_free_memory();
 // Starts a new peak (Linux: /proc/self/clear_refs); false where the kernel does not allow it.
 bool reset_peak_resident();

@@ -51,8 +51,16 @@ double ModelSize::flops_per_token(int64_t seq_len) const {
   return 6.0 * multiplying + 12.0 * static_cast<double>(layers * heads * head_dim * seq_len);
 }
 
-int64_t largest_unit(const ModelSize& s) {
-  return std::max({s.embedding, s.block, s.parameters - s.embedding - s.layers * s.block});
+int64_t largest_unit(const ModelSize& s) { return largest_units(s, 1); }
+
+int64_t largest_units(const ModelSize& s, int k) {
+  std::vector<int64_t> units(static_cast<size_t>(std::max<int64_t>(s.layers, 0)), s.block);
+  units.push_back(s.embedding);
+  units.push_back(s.parameters - s.embedding - s.layers * s.block);  // the head (and final norm)
+  std::sort(units.rbegin(), units.rend());
+  int64_t sum = 0;
+  for (size_t i = 0; i < units.size() && static_cast<int>(i) < k; ++i) sum += units[i];
+  return sum;
 }
 
 std::vector<bool> recomputed_blocks(const ActivationCheckpointConfig& config, int64_t blocks) {
@@ -79,26 +87,39 @@ double state_bytes_per_rank(const ModelSize& size, const Config& c, ParallelMode
   const double largest = 4.0 * static_cast<double>(std::max(
                                    c.model.vocab_size * c.model.dim, size.ffn_hidden * c.model.dim));
   if (mode == ParallelMode::kDdp) return ddp * n + largest;
-  if (mode == ParallelMode::kSharded)
-    return (fixed + spread / static_cast<double>(world)) * n + largest;
-  // fsdp: the same spread (masters, moments, reduced shard, the P-dtype copy); a gradient buffer
+  const double p = p16 ? 2 : 4, r = r16 ? 2 : 4;
+  const bool overlap = c.parallelism.overlap && world > 1;
+  // sharded: the spread less the reduced shard (reduce-scattered in place, into the reduce
+  // buffer's own block; with overlap it has a block of its own) and, in fp32, the masters (the
+  // parameters' own block; else on one rank the P copy the gather sends); passing, two
+  // buckets in flight, each a copy of its W pieces (Gloo's, or NCCL's staging) and of the
+  // block it lands in, and two of the all-gather's (the block it sends, copied: it is in place).
+  if (mode == ParallelMode::kSharded) {
+    const double w = static_cast<double>(world);
+    const double bucket = c.parallelism.bucket_mb * 1048576.0 / 4;  // elements of gradient
+    const double buckets = world > 1 ? 2 * bucket * (r * (1 + 1 / w) + p / w) : 0;
+    const double masters = p16 ? (world == 1 ? p : 0) : 4;  // what the spread counts but needs none
+    return (fixed + (spread - (overlap ? 0 : r) - masters) / w) * n + largest + buckets;
+  }
+  // fsdp: the spread (masters, moments, reduced shard, the P-dtype copy); a gradient buffer
   // of every parameter only without overlap (or with gradient accumulation, which keeps the
   // unsharded gradients to the last micro-batch); and, passing, two units gathered (the one
   // computing, the next prefetched) and, with overlap, the gradient of the unit accumulating
-  // (P) with three units' in flight (in R). On the CPU two units more (the one backward
-  // re-gathers, one freed and not yet reused by the host's malloc) and two working copies of
-  // Gloo's reduce-scatter — measured on 16 blocks of 3.4 M parameters, 2 and 4 ranks.
-  const double p = p16 ? 2 : 4, r = r16 ? 2 : 4;
-  const bool overlap = c.parallelism.overlap && world > 1;
+  // (P) with one unit in flight (in R) and the next one sent. On the CPU one unit more (freed
+  // and not yet reused by the host's malloc) and a working copy of Gloo's reduce-scatter. Each
+  // at the size of the largest units (the embedding and head of a large vocabulary, else the
+  // blocks) — measured on 16 blocks of 3.4 M parameters and on 8 blocks with a 16 M-parameter
+  // embedding and head, 1, 2 and 4 ranks.
   const double grads = !overlap ? p + (r != p ? r : 0)
                        : t.gradient_accumulation_steps > 1 ? p
                                                            : 0;
-  const double unit = static_cast<double>(largest_unit(size));
-  const double units = gpu ? 2 : 4, copies = gpu ? 3 : 5;
+  const int units = gpu ? 2 : 3;
+  const double gathered = static_cast<double>(largest_units(size, units));
   // A tied head keeps the embedding's unit gathered from the head's forward to the end of the
   // backward: one unit more.
   const double tied = size.tied_head > 0 ? static_cast<double>(size.embedding) * p : 0;
-  const double passing = units * unit * p + tied + (overlap ? unit * (p + copies * r) : 0);
+  const double accumulating = static_cast<double>(largest_unit(size)) * p;
+  const double passing = gathered * p + tied + (overlap ? accumulating + gathered * r : 0);
   return (grads + spread / static_cast<double>(world)) * n + passing + largest;
 }
 

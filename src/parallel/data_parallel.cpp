@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 
 #include "checkpoint/safetensors.h"
+#include "parallel/pages.h"
 
 namespace lockstep {
 
@@ -20,7 +21,7 @@ DataParallel::DataParallel(const std::vector<NamedTensor>& params, Comm* comm,
   if (!flat_gradients) return;
 
   const auto options = params.at(0).tensor.options().requires_grad(false);
-  flat_grad_ = at::zeros({world_ * block_}, options.dtype(param_dtype_));
+  flat_grad_ = returnable_zeros(world_ * block_, options.dtype(param_dtype_));
   // ddp overlapped reduces in place in a buffer of its own: the local gradient stays for [A]
   const bool own = reduce_dtype_ != param_dtype_ ||
                    (o.overlap && world_ > 1 && o.mode == ParallelMode::kDdp);
@@ -66,6 +67,8 @@ at::Tensor DataParallel::move_parameters(int64_t size, const at::Tensor& master,
   }
   return flat;
 }
+
+void DataParallel::zero_grad() { clear_pages(flat_grad_); }
 
 void DataParallel::stage_for_reduction() {
   if (!reduce_.is_same(flat_grad_)) reduce_.copy_(flat_grad_);

@@ -111,9 +111,9 @@ class DataParallel {
   virtual void apply(double lr, const UpdateControl& control) = 0;
   // The optimizer over this rank's part (per-tensor policies act on it before apply).
   virtual AdamW& optimizer() = 0;
-  void zero_grad() {
-    if (flat_grad_.defined()) flat_grad_.zero_();
-  }
+  // Zeros the local gradients; on the CPU their memory goes until backward writes them again
+  // (pages.h).
+  void zero_grad();
   // The buffer every .grad is a view of (a replay saves and restores it).
   const at::Tensor& gradient_buffer() const { return flat_grad_; }
 

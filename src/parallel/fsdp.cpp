@@ -9,7 +9,7 @@
 //   backward  before unit u (its output's gradient is complete): gathered again, the unit
 //             before it prefetched; when the last of u's gradients has accumulated: freed
 //   sync      overlap = true: each unit's gradient is reduce-scattered as its last backward
-//             ends (two units in flight) and freed when it has landed, so the unsharded
+//             ends (one unit in flight) and freed when it has landed, so the unsharded
 //             gradient exists a unit at a time (with gradient accumulation it is kept from the
 //             first micro-batch to the last, whose backward sends it: the same sums as ddp);
 //             overlap = false: the gradients stay in one flat buffer until the sync after
@@ -38,6 +38,7 @@
 #include "checkpoint/safetensors.h"
 #include "model/units.h"
 #include "parallel/data_parallel.h"
+#include "parallel/pages.h"
 
 namespace lockstep {
 namespace {
@@ -207,6 +208,9 @@ class Fsdp final : public DataParallel, public UnitHooks {
   void apply(double lr, const UpdateControl& control) override {
     optimizer_.step(lr, control);
     if (!control.skip || control.on_device()) refresh_param_shard();
+    // The next step's reduce-scatters overwrite every block: until its units land, the
+    // gradient shard needs no memory (FSDP2's zero_grad frees its sharded gradients too).
+    clear_pages(grad_shard_);
   }
 
   WeightSource weights() override {
@@ -329,12 +333,12 @@ std::vector<AdamWParam> Fsdp::build(const Units& units, UnitSink* sink) {
   for (const Unit& x : units_) shard += x.block, padded += world_ * x.block;
   master_ = at::zeros({shard}, fp32);
   if (param_dtype_ != at::kFloat) param_shard_ = at::empty({shard}, options.dtype(param_dtype_));
-  grad_shard_ = at::zeros({shard}, options.dtype(reduce_dtype_));
+  grad_shard_ = returnable_zeros(shard, options.dtype(reduce_dtype_));
   if (reduce_dtype_ != at::kFloat) opt_grad_ = at::zeros({shard}, fp32);
   exp_avg_ = at::zeros({shard}, fp32);
   exp_avg_sq_ = at::zeros({shard}, fp32);
   if (!overlap_) {
-    flat_grad_ = at::zeros({padded}, options.dtype(param_dtype_));
+    flat_grad_ = returnable_zeros(padded, options.dtype(param_dtype_));
     reduce_ = reduce_dtype_ == param_dtype_ ? flat_grad_ : at::zeros({padded}, options.dtype(reduce_dtype_));
   }
   const at::Tensor opt_grads = opt_grad_.defined() ? opt_grad_ : grad_shard_;
@@ -468,7 +472,7 @@ void Fsdp::ready(int param) {
 }
 
 // Overlap: reduce-scatters the units whose gradients are final, last unit first (the same order
-// on every rank whatever order autograd finishes them in); at most two units in flight.
+// on every rank whatever order autograd finishes them in); at most one unit in flight.
 void Fsdp::send_ready() {
   while (next_send_ >= 0 && units_[next_send_].pending <= 0) {
     Unit& x = units_[next_send_];
@@ -476,7 +480,7 @@ void Fsdp::send_ready() {
     if (local_check_) x.local_stats = GradCheck(views_in(x, x.grad)).run().clone();
     reduce_scatter(next_send_, x.grad);
     --next_send_;
-    if (in_flight_.size() > 2) land_oldest(world_);
+    if (in_flight_.size() > 1) land_oldest(world_);
   }
 }
 

@@ -36,8 +36,10 @@ std::function<void()> on_gradient_accumulated(const at::Tensor& param, const std
 }
 
 GradientBuckets::GradientBuckets(const std::vector<NamedTensor>& params,
-                                 std::vector<std::vector<int>> needs, Start start, bool overlap)
-    : needs_(std::move(needs)), buckets_of_(params.size()), start_(std::move(start)) {
+                                 std::vector<std::vector<int>> needs, Start start, bool overlap,
+                                 int max_in_flight)
+    : needs_(std::move(needs)), buckets_of_(params.size()), start_(std::move(start)),
+      max_in_flight_(max_in_flight) {
   for (size_t b = 0; b < needs_.size(); ++b)
     for (int p : needs_[b]) {
       if (p < 0 || p >= static_cast<int>(params.size()))
@@ -75,9 +77,15 @@ void GradientBuckets::ready(int param) {
 
 void GradientBuckets::start_ready() {
   while (next_ < size() && pending_[next_] <= 0) {
-    works_.push_back(start_(next_++));
+    start_next();
     ++started_in_backward_;
   }
+}
+
+void GradientBuckets::start_next() {
+  if (max_in_flight_ > 0 && works_.size() - waited_ >= static_cast<size_t>(max_in_flight_))
+    works_[waited_++]->wait();  // finish() waits for it again: nothing left to do then
+  works_.push_back(start_(next_++));
 }
 
 void GradientBuckets::finish(const std::function<void(int bucket)>& landed) {
@@ -85,8 +93,9 @@ void GradientBuckets::finish(const std::function<void(int bucket)>& landed) {
   {
     const std::lock_guard<std::mutex> lock(mu_);
     if (!armed_) started_in_backward_ = 0;
-    while (next_ < size()) works_.push_back(start_(next_++));
+    while (next_ < size()) start_next();
     works.swap(works_);
+    waited_ = 0;
     armed_ = false;
     next_ = 0;
     for (size_t b = 0; b < needs_.size(); ++b) pending_[b] = static_cast<int>(needs_[b].size());

@@ -35,8 +35,10 @@ class GradientBuckets {
   // buckets in start order. With `overlap`, hooks go on the parameters' gradient accumulators
   // (so build this after the parameters have moved to their final storage) and come off with
   // the object; without, finish() sends the same buckets after backward (the same sums).
+  // `max_in_flight` > 0: starting one more waits for the oldest first (its copies go), so what
+  // a collective holds besides the buffers stays at that many buckets.
   GradientBuckets(const std::vector<NamedTensor>& params, std::vector<std::vector<int>> needs,
-                  Start start, bool overlap);
+                  Start start, bool overlap, int max_in_flight = 0);
   ~GradientBuckets();
   GradientBuckets(const GradientBuckets&) = delete;
   GradientBuckets& operator=(const GradientBuckets&) = delete;
@@ -56,6 +58,7 @@ class GradientBuckets {
  private:
   void ready(int param);
   void start_ready();  // with mu_ held: every bucket in order whose gradients are all final
+  void start_next();   // with mu_ held: bucket next_, after the oldest when max_in_flight_ are
 
   std::vector<std::vector<int>> needs_;
   std::vector<std::vector<int>> buckets_of_;  // per parameter: the buckets it is in
@@ -66,6 +69,8 @@ class GradientBuckets {
   int next_ = 0;              // the next bucket to start
   int started_in_backward_ = 0;
   std::vector<std::unique_ptr<CommWork>> works_;
+  int max_in_flight_ = 0;
+  size_t waited_ = 0;  // works_[0, waited_) have been waited for
   std::vector<std::function<void()>> unhook_;
 };
 

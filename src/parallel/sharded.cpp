@@ -1,7 +1,7 @@
 // sharded (ZeRO-2): the flat gradient buffer is reduce-scattered, rank r keeps the fp32 master
 // weights and AdamW moments of block r, updates them, and the blocks are all-gathered into
 // every rank's parameters (views into one flat parameter buffer). Collectives run in buckets,
-// two in flight; with overlap the reduce-scatters start during backward, all in flight.
+// two in flight; with overlap the reduce-scatters start during backward, two in flight too.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
@@ -44,7 +44,10 @@ class Sharded final : public DataParallel {
       : DataParallel(params, comm, o),
         bucket_(std::max<int64_t>(1, o.bucket_bytes / 4 / world_)),
         optimizer_(AdamW::over(build_block(), o.adamw)) {
-    if (o.overlap && world_ > 1) build_buckets();  // without: in_buckets, two in flight
+    if (o.overlap && world_ > 1) {  // without: in_buckets, two in flight
+      grad_block_ = at::empty({block_}, reduce_.options());
+      build_buckets();
+    }
   }
 
   std::string describe() const override {
@@ -56,10 +59,7 @@ class Sharded final : public DataParallel {
   void replicate_parameters() override {
     // Fresh in fp32: rank 0's weights for all, the masters follow them. Loaded, or in mixed
     // precision: the masters (from the checkpoint, or the fp32 initialisation) are the truth.
-    if (param_dtype_ == at::kFloat && !loaded_) {
-      DataParallel::replicate_parameters();
-      master_.copy_(flat_param_.narrow(0, rank_ * block_, block_));
-    }
+    if (param_dtype_ == at::kFloat && !loaded_) DataParallel::replicate_parameters();
     gather_parameters();
   }
 
@@ -67,9 +67,9 @@ class Sharded final : public DataParallel {
     // As each slice of this rank's block lands: its mean into the block's place in the reduce
     // buffer (the same element-wise division as of the whole block), then its check [B].
     const auto landed = [&](int64_t from, int64_t n) {
-      reduce_.narrow(0, rank_ * block_ + from, n)
-          .copy_(grad_block_.narrow(0, from, n))
-          .div_(static_cast<double>(contributors));
+      at::Tensor mine = reduce_.narrow(0, rank_ * block_ + from, n);
+      if (grad_block_.defined()) mine.copy_(grad_block_.narrow(0, from, n));
+      mine.div_(static_cast<double>(contributors));
       if (landed_) landed_(rank_ * block_ + from, rank_ * block_ + from + n);
     };
     if (buckets_) {
@@ -117,9 +117,13 @@ class Sharded final : public DataParallel {
   std::vector<NamedTensor> replicated_optimizer_state() const override { return {}; }
 
  private:
-  // Elements [from, from + n) of every rank's block, reduce-scattered into grad_block_.
+  // Elements [from, from + n) of every rank's block, reduce-scattered into this rank's own
+  // block of them (in place: the Comm stages what a backend cannot write over its input), or
+  // with overlap into grad_block_: there they land during backward, and check [A] reads this
+  // rank's own block after it.
   std::unique_ptr<CommWork> reduce_scatter(int64_t from, int64_t n) {
-    at::Tensor out = grad_block_.narrow(0, from, n);
+    at::Tensor out = grad_block_.defined() ? grad_block_.narrow(0, from, n)
+                                           : reduce_.narrow(0, rank_ * block_ + from, n);
     return comm_->reduce_scatter_sum_async(rank_blocks(reduce_, from, n), out);
   }
 
@@ -144,19 +148,26 @@ class Sharded final : public DataParallel {
           reduce_.narrow(0, r * block_ + from, n).copy_(flat_grad_.narrow(0, r * block_ + from, n));
       return reduce_scatter(from, n);
     };
-    buckets_ = std::make_unique<GradientBuckets>(params_, std::move(needs), start, true);
+    // Two in flight, as without overlap: a reduce-scatter holds copies of its bucket (Gloo's
+    // of the W pieces, the staged block it lands in) until it is waited for.
+    buckets_ = std::make_unique<GradientBuckets>(params_, std::move(needs), start, true, 2);
   }
 
   // This rank's block: the parameters move into one flat P-dtype buffer, the fp32 master block
-  // takes their fp32 values, and the optimizer gets the pieces of the master block, one per
-  // parameter it intersects (named like it, with its decay), gradients and moments as views
-  // of flat blocks (fp32 gradients: the reduce buffer's block, or a block of their own).
+  // takes their fp32 values (in fp32 it is their own block of that buffer, no copy), and the
+  // optimizer gets the pieces of the master block, one per parameter it intersects (named like
+  // it, with its decay), gradients and moments as views of flat blocks (fp32 gradients: the
+  // reduce buffer's block, or a block of their own).
   std::vector<AdamWParam> build_block() {
     const auto fp32 = params_.at(0).tensor.options().requires_grad(false).dtype(at::kFloat);
-    master_ = at::zeros({block_}, fp32);
-    flat_param_ = move_parameters(world_ * block_, master_, rank_ * block_);
-    if (param_dtype_ != at::kFloat) param_block_ = at::empty({block_}, flat_param_.options());
-    grad_block_ = at::empty({block_}, reduce_.options());
+    if (param_dtype_ == at::kFloat) {
+      flat_param_ = move_parameters(world_ * block_, at::Tensor(), 0);
+      master_ = flat_param_.narrow(0, rank_ * block_, block_);
+    } else {
+      master_ = at::zeros({block_}, fp32);
+      flat_param_ = move_parameters(world_ * block_, master_, rank_ * block_);
+      if (world_ > 1) param_block_ = at::empty({block_}, flat_param_.options());  // one rank copies
+    }
     if (reduce_dtype_ != at::kFloat) opt_grad_block_ = at::zeros({block_}, fp32);
     const at::Tensor grads = opt_grad_block_.defined() ? opt_grad_block_
                                                        : reduce_.narrow(0, rank_ * block_, block_);
@@ -200,7 +211,7 @@ class Sharded final : public DataParallel {
   // block in the parameters' dtype.
   void gather_parameters() {
     if (world_ == 1) {
-      flat_param_.copy_(master_);
+      if (!master_.is_alias_of(flat_param_)) flat_param_.copy_(master_);
       return;
     }
     const at::Tensor source = param_block_.defined() ? param_block_.copy_(master_) : master_;
@@ -235,8 +246,9 @@ class Sharded final : public DataParallel {
   std::vector<std::pair<int64_t, int64_t>> slices_;  // overlap: each bucket's [from, from + n)
   at::Tensor flat_param_;      // P: every rank's parameters
   at::Tensor master_;          // fp32: this rank's block of the weights, what AdamW updates
+                               // (P = fp32: flat_param_'s own block)
   at::Tensor param_block_;     // P != fp32: the master block cast for the all-gather
-  at::Tensor grad_block_;      // R: the reduce-scatter's result, before the division
+  at::Tensor grad_block_;      // R, overlap only: the reduce-scatters' results, before the division
   at::Tensor opt_grad_block_;  // R != fp32: this rank's synced block in fp32
   at::Tensor exp_avg_, exp_avg_sq_;
   bool loaded_ = false;  // the masters came from a checkpoint

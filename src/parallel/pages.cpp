@@ -1,0 +1,55 @@
+#include "parallel/pages.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/Storage.h>
+#include <sys/mman.h>
+
+#include <new>
+#include <stdexcept>
+
+namespace lockstep {
+namespace {
+
+struct Mapping {
+  void* at;
+  size_t bytes;
+};
+
+void unmap(void* context) {
+  auto* m = static_cast<Mapping*>(context);
+  ::munmap(m->at, m->bytes);
+  delete m;
+}
+
+}  // namespace
+
+at::Tensor returnable_zeros(int64_t numel, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  if (!options.device().is_cpu() || bytes == 0) return at::zeros({numel}, options);
+  // A private anonymous mapping reads as zeros until written; huge pages where the system
+  // gives them on request (fewer faults as backward writes it).
+  void* at = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (at == MAP_FAILED) throw std::bad_alloc();
+#ifdef MADV_HUGEPAGE
+  ::madvise(at, bytes, MADV_HUGEPAGE);  // advice only: without it, 4 KiB pages
+#endif
+  c10::DataPtr data(at, new Mapping{at, bytes}, &unmap, options.device());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  return at::empty({0}, options).set_(std::move(storage), 0, {numel}, {1});
+}
+
+void clear_pages(const at::Tensor& buffer) {
+  if (!buffer.defined()) return;
+  const c10::DataPtr& data = buffer.storage().data_ptr();
+  if (data.get_deleter() != &unmap) {  // torch's memory (a GPU, or an empty buffer)
+    buffer.zero_();
+    return;
+  }
+  const auto* m = static_cast<const Mapping*>(data.get_context());
+  // The whole mapping: the buffer is all of it (returnable_zeros' one flat tensor).
+  if (::madvise(m->at, m->bytes, MADV_DONTNEED) != 0) buffer.zero_();
+}
+
+}  // namespace lockstep
