@@ -210,7 +210,7 @@ class Fsdp final : public DataParallel, public UnitHooks {
     if (!control.skip || control.on_device()) refresh_param_shard();
     // The next step's reduce-scatters overwrite every block: until its units land, the
     // gradient shard needs no memory (FSDP2's zero_grad frees its sharded gradients too).
-    clear_pages(grad_shard_);
+    release_pages(grad_shard_);
   }
 
   WeightSource weights() override {

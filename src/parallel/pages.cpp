@@ -40,16 +40,26 @@ at::Tensor returnable_zeros(int64_t numel, const at::TensorOptions& options) {
   return at::empty({0}, options).set_(std::move(storage), 0, {numel}, {1});
 }
 
-void clear_pages(const at::Tensor& buffer) {
-  if (!buffer.defined()) return;
+namespace {
+
+// Hands the pages of `buffer` back when it is a whole mapping returnable_zeros made.
+bool hand_back(const at::Tensor& buffer) {
   const c10::DataPtr& data = buffer.storage().data_ptr();
-  if (data.get_deleter() != &unmap) {  // torch's memory (a GPU, or an empty buffer)
-    buffer.zero_();
-    return;
-  }
+  if (data.get_deleter() != &unmap) return false;  // torch's memory (a GPU, or an empty buffer)
   const auto* m = static_cast<const Mapping*>(data.get_context());
-  // The whole mapping: the buffer is all of it (returnable_zeros' one flat tensor).
-  if (::madvise(m->at, m->bytes, MADV_DONTNEED) != 0) buffer.zero_();
+  const size_t bytes = static_cast<size_t>(buffer.numel()) * buffer.element_size();
+  if (buffer.const_data_ptr() != m->at || bytes != m->bytes) return false;  // a view of part
+  return ::madvise(m->at, m->bytes, MADV_DONTNEED) == 0;
+}
+
+}  // namespace
+
+void clear_pages(const at::Tensor& buffer) {
+  if (buffer.defined() && !hand_back(buffer)) buffer.zero_();
+}
+
+void release_pages(const at::Tensor& buffer) {
+  if (buffer.defined()) hand_back(buffer);
 }
 
 }  // namespace lockstep

@@ -20,5 +20,8 @@ at::Tensor returnable_zeros(int64_t numel, const at::TensorOptions& options);
 // Zeros every element of `buffer` (one returnable_zeros made): on the CPU by handing its pages
 // back (nothing resident until written again), elsewhere by writing zeros.
 void clear_pages(const at::Tensor& buffer);
+// The same where the values are no longer needed (they are overwritten before they are read):
+// on the CPU the pages go back, elsewhere nothing is done.
+void release_pages(const at::Tensor& buffer);
 
 }  // namespace lockstep
