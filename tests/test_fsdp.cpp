@@ -372,6 +372,20 @@ double measured_peak(const std::string& dir, int world) {
   return peak;
 }
 
+// Trains with `overrides` on `world` ranks of one thread in `dir`/run and gives the memory plan
+// of that config and the largest peak any rank measured, in bytes.
+void train_for_plan(int world, std::vector<Override> overrides, const test::TempDir& dir,
+                    double* plan, double* peak) {
+  overrides.push_back({"job.dump_folder", dir / "run"});
+  overrides.push_back({"training.threads", "1"});
+  std::string args;
+  for (const auto& [key, value] : overrides) args += " --" + key + " '" + value + "'";
+  const CliRun r = test::run_on_ranks(world, "train" + args, Launcher::kLockstepRun);
+  ASSERT_EQ(r.code, 0) << r.out;
+  *plan = memory_plan(load_config("", "test", overrides), world, false).total();
+  *peak = measured_peak(dir / "run", world);
+}
+
 }  // namespace
 
 // The memory plan is an upper bound of what a run holds (issue 42: bf16 attention on the CPU
@@ -421,14 +435,8 @@ TEST(MemoryPlan, IsAnUpperBoundOfTheMeasuredPeakWithinOneAndAHalf) {
     test::TempDir dir;
     std::vector<Override> all = k.base;
     all.insert(all.end(), k.extra.begin(), k.extra.end());
-    all.push_back({"job.dump_folder", dir / "run"});
-    all.push_back({"training.threads", "1"});
-    std::string args;
-    for (const auto& [key, value] : all) args += " --" + key + " '" + value + "'";
-    const CliRun r = test::run_on_ranks(k.world, "train" + args, Launcher::kLockstepRun);
-    ASSERT_EQ(r.code, 0) << r.out;
-    const double plan = memory_plan(load_config("", "test", all), k.world, false).total();
-    const double peak = measured_peak(dir / "run", k.world);
+    double plan = 0, peak = 0;
+    ASSERT_NO_FATAL_FAILURE(train_for_plan(k.world, all, dir, &plan, &peak));
     std::printf("%-32s plan %7.1f MiB, measured peak %7.1f MiB: %.2fx\n", k.name.c_str(),
                 plan / 1048576, peak / 1048576, plan / peak);
     EXPECT_GE(plan, peak);
@@ -447,7 +455,7 @@ TEST(MemoryPlan, EveryShardedModeHoldsLessThanDdpAndThePlanIsWithinFifteenPercen
       {"model.name", "llama"},       {"model.dim", "512"},        {"model.n_layers", "16"},
       {"model.n_heads", "8"},        {"model.vocab_size", "256"}, {"model.multiple_of", "256"},
       {"training.seq_len", "64"},    {"model.max_seq_len", "64"}, {"training.local_batch_size", "1"},
-      {"training.steps", "3"},       {"checkpoint.enable", "false"}, {"training.threads", "1"}};
+      {"training.steps", "3"},       {"checkpoint.enable", "false"}};
   const std::vector<std::pair<std::string, std::string>> modes = {
       {"ddp", "false"}, {"sharded", "false"}, {"sharded", "true"}, {"fsdp", "false"}, {"fsdp", "true"}};
   std::map<std::string, double> peaks;
@@ -458,13 +466,8 @@ TEST(MemoryPlan, EveryShardedModeHoldsLessThanDdpAndThePlanIsWithinFifteenPercen
     std::vector<Override> all = model;
     all.push_back({"parallelism.mode", mode});
     all.push_back({"parallelism.overlap", overlap});
-    all.push_back({"job.dump_folder", dir / "run"});
-    std::string args;
-    for (const auto& [key, value] : all) args += " --" + key + " '" + value + "'";
-    const CliRun r = test::run_on_ranks(2, "train" + args, Launcher::kLockstepRun);
-    ASSERT_EQ(r.code, 0) << r.out;
-    const double plan = memory_plan(load_config("", "test", all), 2, false).total();
-    const double peak = measured_peak(dir / "run", 2);
+    double plan = 0, peak = 0;
+    ASSERT_NO_FATAL_FAILURE(train_for_plan(2, all, dir, &plan, &peak));
     peaks[name] = peak;
     std::printf("%-18s measured peak %7.1f MiB, plan %7.1f MiB: %.2fx\n", name.c_str(),
                 peak / 1048576, plan / 1048576, peak / plan);

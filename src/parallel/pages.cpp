@@ -6,7 +6,6 @@
 #include <sys/mman.h>
 
 #include <new>
-#include <stdexcept>
 
 namespace lockstep {
 namespace {
