@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "decide/core/exact.h"
 #include "decide/core/windows.h"
 
 namespace lockstep::core {
@@ -37,30 +38,40 @@ struct Global {
   bool interrupted = false;  // some rank's gradient is partial: a stop cut its step short
 };
 
-// Every rank adds the same numbers in the same order. `stat(i, f)`: field f of rank i's row;
-// `dropped(i)`: rank i's contribution was dropped (its loss does not count).
-template <class Stat, class Dropped>
-LOCKSTEP_HD Global reduce_in_rank_order(const Stat& stat, int world, const Dropped& dropped) {
-  Global g;
-  double sumsq = 0, loss_sum = 0;
-  int contributing = 0;
-  for (int i = 0; i < world; ++i) {
-    g.nonfinite += stat(i, kShardNonfinite);
-    sumsq += stat(i, kShardSumsq);
-    g.overflow_runs += stat(i, kOverflowRuns);
-    g.stop = g.stop || stat(i, kStopRequested) != 0;
-    g.interrupted = g.interrupted || stat(i, kStopRequested) >= 2;
-    if (dropped(i)) continue;
-    const double loss = stat(i, kLoss);
-    loss_sum += loss;
-    ++contributing;
-    g.loss_nonfinite = g.loss_nonfinite || !std::isfinite(loss);
-  }
+// The norm and the mean loss from the summed numbers (`contributing` ranks' losses).
+LOCKSTEP_HD inline Global finish_global(Global g, double sumsq, double loss_sum,
+                                        int64_t contributing) {
   g.sumsq = sumsq;
   g.grad_norm = norm_of(g.nonfinite, sumsq);
   g.loss = contributing == 0 ? nan_value()
                              : canonical(loss_sum / static_cast<double>(contributing));
   return g;
+}
+
+// Every rank adds the same numbers in the same order. `stat(i, f)`: field f of rank i's row;
+// `dropped(i)`: rank i's contribution was dropped (its loss does not count).
+// The sums of squares and of the losses are exact (exact.h): the same bits in any order, so the
+// fixed-size record (record.h) reduced by an all-reduce gives what this table gives.
+template <class Stat, class Dropped>
+LOCKSTEP_HD Global reduce_in_rank_order(const Stat& stat, int world, const Dropped& dropped) {
+  Global g;
+  ExactSum sumsq, loss_sum;
+  exact_zero(sumsq);
+  exact_zero(loss_sum);
+  int contributing = 0;
+  for (int i = 0; i < world; ++i) {
+    g.nonfinite += stat(i, kShardNonfinite);
+    exact_add(sumsq, stat(i, kShardSumsq));
+    g.overflow_runs += stat(i, kOverflowRuns);
+    g.stop = g.stop || stat(i, kStopRequested) != 0;
+    g.interrupted = g.interrupted || stat(i, kStopRequested) >= 2;
+    if (dropped(i)) continue;
+    const double loss = stat(i, kLoss);
+    exact_add(loss_sum, loss);
+    ++contributing;
+    g.loss_nonfinite = g.loss_nonfinite || !std::isfinite(loss);
+  }
+  return finish_global(g, exact_value(sumsq), exact_value(loss_sum), contributing);
 }
 
 // ---- reasons ----------------------------------------------------------------------------------
@@ -151,16 +162,18 @@ LOCKSTEP_HD inline bool is_local(int outliers, int world, bool sample_evidence) 
 
 // Before the windows fill (skip.max_grad_norm acts from the first step): the ranks whose own
 // gradient norm exceeds 4x the median of the others' (squared: 16x), each passed to `flag` in
-// rank order. `scratch`: `world` doubles.
+// rank order (a sum below 0 or NaN counts as 0). `scratch`: `world` doubles. At most half the
+// ranks can stand out this way (each is above the median), and some do exactly when the largest
+// sum is above 16x the ((world - 1) / 2)-th smallest: what the record form counts (record.h).
 template <class Stat, class Flag>
 LOCKSTEP_HD int cross_rank_outliers(const Stat& stat, int world, double* scratch,
                                     const Flag& flag) {
   if (world < 2) return 0;
-  for (int i = 0; i < world; ++i) scratch[i] = stat(i, kLocalSumsq);
+  for (int i = 0; i < world; ++i) scratch[i] = max_of(0.0, stat(i, kLocalSumsq));
   sort_ascending(scratch, world);
   int n = 0;
   for (int r = 0; r < world; ++r) {
-    const double v = stat(r, kLocalSumsq);
+    const double v = max_of(0.0, stat(r, kLocalSumsq));
     if (!(v > 16.0 * median_of_others(scratch, world, v))) continue;
     flag(r);
     ++n;

@@ -130,13 +130,14 @@ LOCKSTEP_HD inline Scope scope_in(const double* table, int world, const DecideSt
 
 // An anomalous step (not an overflow) under the policy: a global spike is clipped or aborted as
 // skip.on_global_spike says; anything else is skipped unless a guard makes it an abort.
-LOCKSTEP_HD inline void apply_policy(const double* table, int world, const DecideState& s,
-                                     const DecideConfig& c, bool settled_local,
-                                     DecideResult& out) {
+// `scope(reasons)`: the anomaly's scope, asked only when the policy needs it.
+template <class ScopeOf>
+LOCKSTEP_HD void apply_policy(const DecideState& s, const DecideConfig& c, bool settled_local,
+                              const ScopeOf& scope, DecideResult& out) {
   const bool nonfinite = (out.reasons & kNonfinite) != 0;
   const bool zclip_only = out.reasons == kGradNormZClip;  // ZClip clips, never skips
   if ((zclip_only || c.on_global_spike != kSpikeSkip) && !nonfinite && !settled_local &&
-      scope_in(table, world, s, c, out.reasons) == kGlobal) {
+      scope(out.reasons) == kGlobal) {
     if (!zclip_only && c.on_global_spike == kSpikeAbort) {
       out.outcome = kAbortRun;
       out.why = kGlobalSpikeAbort;
@@ -158,15 +159,14 @@ LOCKSTEP_HD inline void apply_policy(const double* table, int world, const Decid
   out.outcome = out.why == kNoWhy ? kSkipStep : kAbortRun;
 }
 
-// The global numbers: reduced in rank order (without the dropped ranks' losses), unscaled, with
-// their z-scores and reasons.
-LOCKSTEP_HD inline void score_numbers(const double* table, int world, const DecideState& s,
-                                      const DecideConfig& c, const BeforeSync& before,
-                                      DecideResult& out) {
-  const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
-  const auto dropped = [&before](int i) { return before.dropped && before.dropped[i] != 0; };
-  const Global g = reduce_in_rank_order(stat, world, dropped);
+// The global numbers unscaled, with their z-scores and reasons; `seconds`: the slowest rank's
+// compute, `salvaged`: some rank's contribution was dropped.
+LOCKSTEP_HD inline void score_global(const Global& g, double seconds, bool salvaged,
+                                     const DecideState& s, const DecideConfig& c,
+                                     const BeforeSync& before, DecideResult& out) {
   out = DecideResult{};
+  out.seconds = seconds;
+  out.salvaged = salvaged ? 1 : 0;
   out.loss_scale = s.scale.scale;
   out.grad_norm = canonical(s.scale.scale != 1.0 ? g.grad_norm / s.scale.scale : g.grad_norm);
   out.loss = g.loss;
@@ -188,17 +188,28 @@ LOCKSTEP_HD inline void score_numbers(const double* table, int world, const Deci
   out.reasons = reasons_of(g, out.grad_norm, out.grad_norm_z, out.loss_z, c.thresholds);
   const double zclip_z = zclip_zscore(s.zclip, c.zclip, out.grad_norm);
   if (c.thresholds.enabled && !out.overflow && zclip_z > c.zclip.z) out.reasons |= kGradNormZClip;
-  for (int i = 0; i < world; ++i) {
-    out.salvaged |= dropped(i) ? 1 : 0;
-    out.seconds = max_of(out.seconds, stat(i, kComputeSeconds));
-  }
 }
 
-// The numbers and the outcome of one step; `s` is not changed (but for its scratch).
-LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideState& s,
-                                   const DecideConfig& c, const BeforeSync& before,
-                                   DecideResult& out) {
-  score_numbers(table, world, s, c, before, out);
+// The global numbers from the table: reduced in rank order (without the dropped ranks' losses).
+LOCKSTEP_HD inline void score_numbers(const double* table, int world, const DecideState& s,
+                                      const DecideConfig& c, const BeforeSync& before,
+                                      DecideResult& out) {
+  const auto stat = [table](int i, int f) { return table[i * kStatsDoubles + f]; };
+  const auto dropped = [&before](int i) { return before.dropped && before.dropped[i] != 0; };
+  bool salvaged = false;
+  double seconds = 0;
+  for (int i = 0; i < world; ++i) {
+    salvaged = salvaged || dropped(i);
+    seconds = max_of(seconds, stat(i, kComputeSeconds));
+  }
+  score_global(reduce_in_rank_order(stat, world, dropped), seconds, salvaged, s, c, before, out);
+}
+
+// The outcome of a step whose numbers `out` holds; `scope(reasons)` as apply_policy's.
+template <class ScopeOf>
+LOCKSTEP_HD void score_outcome(const DecideState& s, const DecideConfig& c,
+                               const BeforeSync& before, const ScopeOf& scope,
+                               DecideResult& out) {
   if (out.interrupted) {  // a partial gradient: not an update, not a skip to count
     out.outcome = kSkipStep;
     out.why = kInterrupted;
@@ -218,7 +229,7 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
       out.why = kSkipDisabled;
       return;
     }
-    apply_policy(table, world, s, c, before.culprits > 0, out);
+    apply_policy(s, c, before.culprits > 0, scope, out);
   }
   if (out.outcome != kAbortRun && before.suspects > 0 && c.hardware_abort) {
     out.outcome = kAbortRun;
@@ -228,6 +239,16 @@ LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideS
   }
   if (out.outcome == kTake)
     out.clip = clip_coefficient(out.grad_norm, clip_limit(out.clip_to, c.max_norm));
+}
+
+// The numbers and the outcome of one step from the table; `s` is not changed (but for its
+// scratch).
+LOCKSTEP_HD inline void score_step(const double* table, int world, const DecideState& s,
+                                   const DecideConfig& c, const BeforeSync& before,
+                                   DecideResult& out) {
+  score_numbers(table, world, s, c, before, out);
+  const auto scope = [&](uint32_t reasons) { return scope_in(table, world, s, c, reasons); };
+  score_outcome(s, c, before, scope, out);
 }
 
 // The decided step's effect on the global state. An abort or an interrupted step sets the
@@ -288,6 +309,18 @@ LOCKSTEP_HD inline void record_rank(DecideState& s, const DecideConfig& c, const
   record_rank_values(s, c, r, rank, rank_values(table + rank * kStatsDoubles, r.loss_scale));
 }
 
+// After an abort every decision is one: nothing lands.
+LOCKSTEP_HD inline void sticky_abort(const DecideState& s, DecideResult& out, float* found_inf,
+                                     float* grad_scale) {
+  out = DecideResult{};
+  out.outcome = kAbortRun;
+  out.why = kStickyAbort;
+  out.clip = 1.0;
+  out.loss_scale = s.scale.scale;
+  *found_inf = 1.0f;
+  *grad_scale = 1.0f;
+}
+
 // The step's decision and its effect on the global state, with nothing settled before the sync
 // (the device's thread 0): found_inf = 1 blocks the fused AdamW on a skip or an abort, and
 // grad_scale = loss scale / clip.
@@ -295,13 +328,7 @@ LOCKSTEP_HD inline void decide_global(const double* table, int world, DecideStat
                                       const DecideConfig& c, DecideResult& out, float* found_inf,
                                       float* grad_scale) {
   if (s.aborted) {
-    out = DecideResult{};
-    out.outcome = kAbortRun;
-    out.why = kStickyAbort;
-    out.clip = 1.0;
-    out.loss_scale = s.scale.scale;
-    *found_inf = 1.0f;
-    *grad_scale = 1.0f;
+    sticky_abort(s, out, found_inf, grad_scale);
     return;
   }
   score_step(table, world, s, c, BeforeSync{}, out);
