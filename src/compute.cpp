@@ -166,6 +166,13 @@ void read_to_host(RankStep& s) {
   }
 }
 
+TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
+  if (!job.triager->needs_input(step)) return {};
+  read_to_host(s);
+  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses,
+          s.gradient_crc};
+}
+
 Recompute replayer(Job& job, RankStep& s, int64_t step) {
   return [&job, &s, step, computations = 0](int batch_rank, const std::vector<int64_t>& ids,
                                              bool keep) mutable {

@@ -29,6 +29,9 @@ void bystand(Job& job);
 // it.
 void read_to_host(RankStep& s);
 
+// What the triage and the probe read of this rank's step (on the host: only when they run).
+TriageInput triage_input(const Job& job, RankStep& s, int64_t step);
+
 // The Recompute the triage and the probe call at step `step`. A kept replay (a culprit's own)
 // replaces s's loss, sample losses and check [A] with the recomputed ones.
 Recompute replayer(Job& job, RankStep& s, int64_t step);

@@ -56,6 +56,7 @@ LOCKSTEP_CHOICES(SkipScope, "step", "rank")
 LOCKSTEP_CHOICES(Replay, "off", "self", "peer")
 LOCKSTEP_CHOICES(OnHardwareFault, "warn", "abort")
 LOCKSTEP_CHOICES(DeviceDecisionMode, "auto", "on", "off")
+LOCKSTEP_CHOICES(Exchange, "auto", "record", "table")
 #undef LOCKSTEP_CHOICES
 
 namespace {
@@ -555,6 +556,11 @@ void skip_fields(std::vector<Field>& t) {
                            "(no host sync on a clean step): auto = on GPUs when the settings "
                            "allow it (scope = \"step\", no replay or probe, lr on_skip = "
                            "\"advance\"); on (also on CPUs); off"));
+  t.push_back(choice_field("skip", "exchange", &C::skip, &S::exchange,
+                           "what the ranks exchange each step: record = one fixed-size record "
+                           "(its cost per rank does not grow with the world; every rank's row "
+                           "only on a step to explain), table = every rank's row; auto = the "
+                           "record when the host decides and no triage or probe reads the rows"));
 }
 
 void diagnostics_and_fault_fields(std::vector<Field>& t) {
@@ -994,6 +1000,18 @@ void validate_device_decision(const Config& c) {
         blocker));
 }
 
+void validate_exchange(const Config& c) {
+  if (c.skip.exchange != Exchange::kRecord) return;
+  std::string blocker = record_exchange_blocker(c);
+  if (blocker.empty() && c.skip.device_decision == DeviceDecisionMode::kOn)
+    blocker = "skip.device_decision = \"on\" (the device decides from the table)";
+  if (!blocker.empty())
+    throw ConfigError(fmt::format(
+        "invalid value for 'skip.exchange': \"record\", but {} reads every rank's row each "
+        "step; set skip.exchange = \"auto\" (the table then) or change that setting",
+        blocker));
+}
+
 // No silent input: a file named for training or validation is read, or the run is refused
 // naming both keys (a path with synthetic data, or held-out files with validation off, would
 // train on something else with a healthy-looking loss).
@@ -1017,6 +1035,7 @@ void validate_inputs(const Config& c) {
 void validate_cross(const Config& c) {
   loss_scale_setting(c.training);
   validate_device_decision(c);
+  validate_exchange(c);
   validate_inputs(c);
   if (c.model.dim % c.model.n_heads != 0)
     throw ConfigError(fmt::format(
@@ -1152,6 +1171,20 @@ std::string device_decision_blocker(const Config& c) {
   if (c.lr_scheduler.on_skip != OnSkip::kAdvance)
     return fmt::format("lr_scheduler.on_skip = \"{}\"", name_of(c.lr_scheduler.on_skip));
   return "";
+}
+
+std::string record_exchange_blocker(const Config& c) {
+  if (c.skip.scope != SkipScope::kStep)
+    return fmt::format("skip.scope = \"{}\"", name_of(c.skip.scope));
+  if (c.skip.replay != Replay::kOff)
+    return fmt::format("skip.replay = \"{}\"", name_of(c.skip.replay));
+  if (c.diagnostics.replay_every > 0)
+    return fmt::format("diagnostics.replay_every = {}", c.diagnostics.replay_every);
+  return "";
+}
+
+bool exchanges_record(const Config& c, bool on_device) {
+  return c.skip.exchange != Exchange::kTable && !on_device && record_exchange_blocker(c).empty();
 }
 
 LossScaleSetting loss_scale_setting(const TrainingConfig& t) {

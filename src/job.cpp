@@ -10,6 +10,7 @@
 
 #include "clock.h"
 #include "compute.h"
+#include "decide/record.h"
 #include "export/hf.h"
 #include "fsutil.h"
 #include "lockstep/error.h"
@@ -307,7 +308,9 @@ std::unique_ptr<Job> build_job(const Config& config) {
   j.judge = std::make_unique<StepJudge>(
       c, with_token_guard(c.skip, j.tokens_per_step), j.dp->grads(), std::move(tensors),
       j.comm.get(),
-      StepJudge::Where{j.ranks.rank, j.ranks.world_size, hostname(), j.device.str(), "lockstep"});
+      StepJudge::Where{j.ranks.rank, j.ranks.world_size, hostname(), j.device.str(), "lockstep",
+                       exchanges_record(c, decides_on_device(c, j.device,
+                                                             j.ranks.local_world_size))});
   // A replay on the CPU reproduces bit for bit; GPU kernels (atomics in the embedding backward)
   // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
   j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),
@@ -429,7 +432,7 @@ void resume(Job& j) {
 
 std::string save_checkpoint(Job& j) {
   if (!j.config.checkpoint.enable) return "";
-  j.state.detector = j.judge->state();
+  j.state.detector = record_state(*j.judge, j.comm.get());  // every rank's windows
   j.state.loss_scale = j.judge->loss_scale_state();
   const double before = resident_mib();
   const bool peak = reset_peak_resident();

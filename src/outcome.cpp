@@ -115,8 +115,9 @@ bool after_step(Job& job, Progress& progress, TrainResult& result, const StepRes
   }
   const AfterStep a = work_after(job, job.state.step);
   result.losses.push_back(r.verdict.loss);
-  job.stragglers->add(r.compute_seconds);
-  if (job.stragglers->newly_named())
+  job.stragglers->add(r.compute_seconds, r.all_measured);
+  if (a.log) job.stragglers->evaluate(job.comm.get());  // every rank's median, one number each
+  if (a.log && job.stragglers->newly_named())
     log::warn_shared("step {}: straggler {}: its compute takes that many times the other "
                      "ranks' (medians over the last {} steps), and every step waits for it; "
                      "look at its host (diagnostics.straggler_factor sets the threshold)",

@@ -19,7 +19,8 @@ struct StepResult {
   Verdict verdict;
   double lr = 0, clip = 1.0;
   StepCosts costs;
-  std::vector<double> compute_seconds;  // every rank's, from the stats table (stragglers)
+  double compute_seconds = 0;  // this rank's (stragglers)
+  bool all_measured = false;   // every rank measured its compute this step
 };
 
 // The decided step's counters and state; `data_position`: the sampler's after its batch.

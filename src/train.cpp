@@ -2,8 +2,8 @@
 //
 //   forward/backward over the micro-batches, then [A] this rank's own gradient
 //   -> triage (skip.scope = "rank", skip.replay): local outliers, replays, ranks to drop
-//   -> measure: the gradient sync, [B] the slice it checks, one small all-gather of every
-//               rank's 72-byte stats; the probe (diagnostics.replay_every)
+//   -> measure: the gradient sync, [B] the slice it checks, one small exchange: a fixed-size
+//               record (skip.exchange), or every rank's 72-byte stats; the probe's replay
 //   -> decide: STEP, SKIP, CLIP, SALVAGE or ABORT, the same on every rank by construction;
 //              then per tensor (AdaGC's clip, SPAM's moment reset: decide/tensor_policies.h)
 //   -> explain: only when anomalous (events, scope and cause, culprits, samples, parameters)
@@ -24,6 +24,7 @@
 
 #include "clock.h"
 #include "compute.h"
+#include "decide/record.h"
 #include "diag/metrics.h"
 #include "job.h"
 #include "lockstep/error.h"
@@ -33,14 +34,6 @@
 
 namespace lockstep {
 namespace {
-
-// What the triage and the probe read of this rank's step (on the host: only when they run).
-TriageInput triage_input(const Job& job, RankStep& s, int64_t step) {
-  if (!job.triager->needs_input(step)) return {};
-  read_to_host(s);
-  return {rank_stats(s.local, {}, s.loss, s.sample_losses, false), s.sample_ids, s.sample_losses,
-          s.gradient_crc};
-}
 
 // This rank's batch of 1-based `step`, forward and backward, then [A] its own gradient.
 RankStep compute(Job& job, int64_t step) {
@@ -72,20 +65,29 @@ at::Tensor sync_and_row(Job& job, RankStep& s, const Triage& t) {
                   job.compute_clock->seconds());
 }
 
-// Then the one small collective: every rank holds every rank's stats, in rank order (the
-// table is the host-decided step's one read on the host).
-std::vector<RankStats> measure(Job& job, RankStep& s, const Triage& t) {
+// Then the one small exchange: a fixed-size record (skip.exchange; every rank's row only on a
+// step to explain) or every rank's 72-byte row (the table). On a GPU the read waits for the step.
+struct Measured {
+  std::vector<RankStats> table;
+  std::optional<Verdict> record;  // the record form's verdict
+  double seconds = 0;             // this rank's compute; did every rank measure its?
+  bool all_measured = false;
+};
+Measured measure(Job& job, RankStep& s, const Triage& t) {
   const at::Tensor row = sync_and_row(job, s, t);
   const auto start = Clock::now();
-  const at::Tensor gathered = gather_rows(job.comm.get(), row);
-  const auto read = Clock::now();
-  std::vector<RankStats> table = stats_of(gathered.cpu());  // on a GPU: waits for the step
-  if (gathered.is_cuda()) {
-    s.costs.wait += seconds_since(read);
-    s.costs.waits += 1;
+  const bool record = job.judge->detector().own_only();
+  const at::Tensor read = record ? row.cpu() : gather_rows(job.comm.get(), row).cpu();
+  if (row.is_cuda()) s.costs.wait += seconds_since(start), s.costs.waits += 1;
+  std::vector<RankStats> rows = stats_of(read.reshape({-1, kRankStatsDoubles}));
+  const RankStats mine = rows.at(record ? 0 : static_cast<size_t>(job.ranks.rank));
+  Measured m{std::move(rows), std::nullopt, mine.compute_seconds, all_measured(m.table)};
+  if (record) {
+    RecordVerdict v = decide_by_record(job.judge->detector(), mine, job.comm.get());
+    m = {std::move(v.table), std::move(v.verdict), mine.compute_seconds, v.all_measured};
   }
   s.costs.decision += seconds_since(start);
-  return table;
+  return m;
 }
 
 // An anomalous step's explanation: a nonfinite one is checked against the model's own
@@ -110,8 +112,7 @@ void update(Job& job, double lr, const UpdateControl& control, const TensorActio
   job.faults->after_update(job.model->parameters());
 }
 
-// A step between its issue and its finish.
-struct Issued {
+struct Issued {  // a step between its issue and its finish
   int64_t step = 0;
   double lr = 0;
   RankStep s;
@@ -125,16 +126,16 @@ void decide_on_host(Job& job, Issued& i) {
   const Recompute replay = replayer(job, s, i.step);
   Triage triage =
       job.triager->before_sync(job.judge->detector(), triage_input(job, s, i.step), replay, s.costs);
-  const std::vector<RankStats> table = measure(job, s, triage);
-  job.triager->probe(i.step, table, triage_input(job, s, i.step), replay, triage, s.costs);
+  Measured m = measure(job, s, triage);
+  job.triager->probe(i.step, m.table, triage_input(job, s, i.step), replay, triage, s.costs);
   const auto start = Clock::now();
-  StepResult r{job.judge->decide(table, triage), i.lr};
+  StepResult r{m.record ? std::move(*m.record) : job.judge->decide(m.table, triage), i.lr, 1.0,
+               {}, m.seconds, m.all_measured};
   s.costs.decision += seconds_since(start);
-  r.compute_seconds = compute_times(table);
   const TensorActions tensors = job.judge->tensors().step(s.shard_stats, r.verdict);  // per tensor
   Verdict& v = r.verdict;
   warn_overflow(i.step, v);
-  explain_step(job, s, v, table, i.lr, job.sampler->position());
+  explain_step(job, s, v, m.table, i.lr, job.sampler->position());
   // The clip (the core's, against training.max_norm or a clip decision's lower bound) and the
   // loss scale are divided out in the update's one pass (grad_scale = scale / clip).
   r.clip = v.clip;
@@ -168,13 +169,12 @@ Issued issue(Job& job, int64_t step, double lr) {
 StepResult read_device_verdict(Job& job, Issued& i) {
   const auto start = Clock::now();
   const StepJudge::Checked late = job.judge->read(i.step);  // the device agreed (else it throws)
-  StepResult r{late.verdict, i.lr};
+  StepResult r{late.verdict, i.lr, late.verdict.clip, {},
+               compute_time(late.table, job.ranks.rank), all_measured(late.table)};
   i.s.costs.decision += seconds_since(start);
-  r.compute_seconds = compute_times(late.table);
   i.s.costs.wait += late.waited;
   i.s.costs.waits += late.waited > 0 ? 1 : 0;
   Verdict& v = r.verdict;
-  r.clip = v.clip;
   warn_overflow(i.step, v);
   explain_step(job, i.s, v, late.table, i.lr, i.data_position);
   return r;

@@ -647,7 +647,8 @@ TEST(Reliability, SigtermCutsALongAccumulationShortInFsdp) {
 
 // 32 Gloo ranks on this 2-core machine, each running the step's checks, gradient all-reduce,
 // stats exchange and decision on synthetic gradients under random faults (`lockstep bench
-// agree`): every rank's verdict equal at every step; and a rank that decides with another
+// agree`): every rank's verdict equal at every step, and the record form's (own windows, one
+// record all-reduced) equal to the table's on every rank; and a rank that decides with another
 // threshold is caught at the first step it differs.
 TEST(SkipAgreement, ThirtyTwoGlooRanksDecideAlikeAtEveryStep) {
   const test::CliRun same = test::run_on_ranks(32, "bench agree --steps 60",
@@ -656,8 +657,27 @@ TEST(SkipAgreement, ThirtyTwoGlooRanksDecideAlikeAtEveryStep) {
   EXPECT_NE(same.out.find("32 ranks over gloo"), std::string::npos) << same.out;
   EXPECT_NE(same.out.find("every rank decided the same at every step"), std::string::npos)
       << same.out;
+  EXPECT_NE(same.out.find("the record form decided as the table at every step on every rank"),
+            std::string::npos)
+      << same.out;
   const test::CliRun odd = test::run_on_ranks(32, "bench agree --steps 60 --disagree-rank 7",
                                               test::Launcher::kLockstepRun);
   EXPECT_NE(odd.code, 0) << odd.out;
   EXPECT_NE(odd.out.find("the ranks decided differently at step"), std::string::npos) << odd.out;
+}
+
+// The record form over MPI's all-reduces (sum and max of int64s): 4 ranks, the same decisions as
+// the all-gathered table's at every step on every rank.
+TEST(SkipAgreement, TheRecordFormDecidesAsTheTableOverMpi) {
+#if !LOCKSTEP_WITH_MPI
+  GTEST_SKIP() << "built without MPI";
+#endif
+  const test::CliRun r = test::capture(
+      "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 " MPIEXEC
+      " --oversubscribe -np 4 " LOCKSTEP_BIN " bench agree --steps 80 --backend mpi");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("4 ranks over mpi"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("the record form decided as the table at every step on every rank"),
+            std::string::npos)
+      << r.out;
 }

@@ -15,33 +15,39 @@ using namespace lockstep;
 using json = nlohmann::json;
 
 TEST(Stragglers, TheWatchNamesTheRankTheOthersWaitFor) {
-  StragglerWatch w(1.5, 4, 3);
-  for (int i = 0; i < 3; ++i) w.add({0.010, 0.011, 0.025});
-  EXPECT_TRUE(w.slow().empty()) << "nothing before the window is full";
-  w.add({0.010, 0.011, 0.025});
-  ASSERT_EQ(w.slow().size(), 1u);
-  EXPECT_EQ(w.slow()[0].rank, 2);
-  EXPECT_NEAR(w.slow()[0].ratio, 0.025 / 0.0105, 1e-9) << "against the others' median";
-  EXPECT_TRUE(w.newly_named());
-  w.add({0.010, 0.011, 0.025});
-  EXPECT_FALSE(w.newly_named()) << "named once, warned once";
-  EXPECT_EQ(StragglerWatch::text(w.slow()), "rank 2 (2.4x)");
-  // One slow step among fast ones is noise, not a straggler (medians).
-  for (int i = 0; i < 3; ++i) w.add({0.010, 0.011, 0.010});
-  w.add({0.010, 0.011, 0.500});
-  EXPECT_TRUE(w.slow().empty());
+  // Every rank's median over the window, in rank order: rank 2 against the others' median.
+  const auto slow = StragglerWatch::named({0.010, 0.011, 0.025}, 1.5);
+  ASSERT_EQ(slow.size(), 1u);
+  EXPECT_EQ(slow[0].rank, 2);
+  EXPECT_NEAR(slow[0].ratio, 0.025 / 0.0105, 1e-9) << "against the others' median";
+  EXPECT_EQ(StragglerWatch::text(slow), "rank 2 (2.4x)");
+  EXPECT_TRUE(StragglerWatch::named({0.010, 0.011, 0.014}, 1.5).empty());
   // Two ranks: each is compared with the other.
-  StragglerWatch two(1.5, 2, 2);
-  two.add({0.004, 0.002});
-  two.add({0.004, 0.002});
-  ASSERT_EQ(two.slow().size(), 1u);
-  EXPECT_EQ(two.slow()[0].rank, 0);
-  // Off: factor 0, one rank, or a rank not measured yet (0 s).
-  StragglerWatch off(0, 1, 2), alone(1.5, 1, 1), unmeasured(1.5, 1, 2);
-  off.add({1, 9});
-  alone.add({9});
-  unmeasured.add({0, 9});
-  EXPECT_TRUE(off.slow().empty() && alone.slow().empty() && unmeasured.slow().empty());
+  const auto two = StragglerWatch::named({0.004, 0.002}, 1.5);
+  ASSERT_EQ(two.size(), 1u);
+  EXPECT_EQ(two[0].rank, 0);
+}
+
+TEST(Stragglers, EachRankKeepsItsOwnWindowAndLeavesUnmeasuredStepsOut) {
+  StragglerWatch w(1.5, 4, 2);
+  w.add(0.010, true);
+  w.add(0.030, true);
+  w.add(0.020, true);
+  EXPECT_FALSE(w.median()) << "nothing before the window is full";
+  w.add(0.500, false);  // some rank did not measure this step: every rank leaves it out
+  EXPECT_FALSE(w.median());
+  w.add(0.040, true);
+  ASSERT_TRUE(w.median());
+  EXPECT_DOUBLE_EQ(*w.median(), 0.025);
+  w.add(0.050, true);  // the oldest leaves the window
+  EXPECT_DOUBLE_EQ(*w.median(), 0.035);
+  w.evaluate(nullptr);  // alone (no comm): nobody to compare with
+  EXPECT_TRUE(w.slow().empty());
+  // Off: factor 0, or one rank.
+  StragglerWatch off(0, 1, 2), alone(1.5, 1, 1);
+  off.add(9, true);
+  alone.add(9, true);
+  EXPECT_FALSE(off.median() || alone.median());
 }
 
 TEST(StragglerRun, ASlowRankIsNamedInTheProgressLineMetricsAndDiag) {

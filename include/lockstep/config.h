@@ -43,6 +43,7 @@ enum class SkipScope { kStep, kRank };     // a local anomaly skips the step, or
 enum class Replay { kOff, kSelf, kPeer };  // recompute a culprit's batch to tell data from faults
 enum class OnHardwareFault { kWarn, kAbort };
 enum class DeviceDecisionMode { kAuto, kOn, kOff };  // auto: on GPUs, where the config allows
+enum class Exchange { kAuto, kRecord, kTable };  // auto: the record where the config allows
 
 // The spelling of each value, in declaration order ("gpt", "auto", "cpu", ...).
 template <typename E>
@@ -69,6 +70,7 @@ template <> std::span<const std::string_view> choice_names<SkipScope>();
 template <> std::span<const std::string_view> choice_names<Replay>();
 template <> std::span<const std::string_view> choice_names<OnHardwareFault>();
 template <> std::span<const std::string_view> choice_names<DeviceDecisionMode>();
+template <> std::span<const std::string_view> choice_names<Exchange>();
 template <typename E>
 std::string_view name_of(E e) {
   return choice_names<E>()[static_cast<size_t>(e)];
@@ -267,6 +269,10 @@ struct SkipConfig {
   bool reset_guards_on_resume = false;  // resume past a guard's abort: its counters start at 0
   // The decision on the device, read by the host a step later (src/decide/device_decision.h).
   DeviceDecisionMode device_decision = DeviceDecisionMode::kAuto;
+  // What the ranks exchange each step (docs/skip.md): one fixed-size record (the cost per rank
+  // does not grow with the world; every rank's row only on a step to explain) or every rank's
+  // row (the table; what the triage, the probe and the device decision read).
+  Exchange exchange = Exchange::kAuto;
 };
 
 struct DiagnosticsConfig {
@@ -323,6 +329,12 @@ LossScaleSetting loss_scale_setting(const TrainingConfig& training);
 // "" when the config's decisions have a device form (skip.device_decision); else the setting
 // that has none, as `skip.scope = "rank"`.
 std::string device_decision_blocker(const Config& c);
+// "" when the host's decision can take the record form (skip.exchange); else the setting that
+// reads every rank's row each step.
+std::string record_exchange_blocker(const Config& c);
+// Whether the run exchanges the record: skip.exchange "record", or "auto" on the host where no
+// setting blocks it (`on_device`: the device decides, from the table).
+bool exchanges_record(const Config& c, bool on_device);
 
 // ---- reading and writing ----------------------------------------------------------------
 // One `--section.key value` pair from the command line.

@@ -18,6 +18,7 @@
 #include "comm/comm.h"
 #include "decide/detector.h"
 #include "decide/exchange.h"
+#include "decide/record.h"
 #include "lockstep/bench.h"
 #include "ranks.h"
 #include "runtime.h"
@@ -84,7 +85,17 @@ struct Tally {
   int64_t steps = 0, faults = 0, first_disagreement = -1;
   int64_t by_decision[5] = {};
   double exchange_s = 0, decide_s = 0;
+  double record_s = 0;  // the record form: its all-reduces and its decision
+  int64_t counted = 0, first_record_difference = -1;
 };
+
+// The record form's decision is the table's (the numbers the trainer acts on, bit for bit).
+bool same_decision(const core::DecideResult& r, const Verdict& v) {
+  const core::DecideResult t = result_of(v);
+  return r.outcome == t.outcome && r.clipped == t.clipped && r.why == t.why &&
+         r.reasons == t.reasons && std::memcmp(&r.grad_norm, &v.grad_norm, 8) == 0 &&
+         std::memcmp(&r.loss, &v.loss, 8) == 0 && std::memcmp(&r.clip, &v.clip, 8) == 0;
+}
 
 }  // namespace
 
@@ -101,6 +112,7 @@ bool bench_agree(const AgreeBenchOptions& o) {
   skip.max_fraction = 0;
   if (r == o.disagree_rank) skip.grad_norm_zscore = 0;  // the comparison's self-test
   SkipDetector detector(skip, TrainingConfig{}, w);
+  RecordDecider record(detector.config(), skip.window, skip.fraction_window, 1.0);
   Tally t;
   for (int64_t step = 1; step <= o.steps; ++step) {
     const auto [fault, at] = fault_at(step, w, o.seed);
@@ -114,6 +126,12 @@ bool bench_agree(const AgreeBenchOptions& o) {
     detector.record(v);
     t.decide_s += std::chrono::duration<double>(Clock::now() - start).count();
     ++t.by_decision[static_cast<int>(v.decision)];
+    start = Clock::now();
+    const RecordStep rs = record.decide(mine, false, core::BeforeSync{}, comm.get());
+    t.record_s += std::chrono::duration<double>(Clock::now() - start).count();
+    t.counted += rs.counted ? 1 : 0;
+    if (!same_decision(rs.result, v) && t.first_record_difference < 0)
+      t.first_record_difference = step;
     const auto digests = all_gather_values(comm.get(), {digest_of(step, v)});
     for (const auto& d : digests)
       if (d.at(0) != digests[0].at(0) && t.first_disagreement < 0) t.first_disagreement = step;
@@ -139,7 +157,24 @@ bool bench_agree(const AgreeBenchOptions& o) {
     else
       fmt::print("the ranks decided differently at step {}\n", t.first_disagreement);
   }
-  return t.first_disagreement < 0;
+  // The record form on every rank: its own windows, one {} B record all-reduced per step.
+  const std::vector<std::vector<double>> firsts =
+      all_gather_values(comm.get(), {static_cast<double>(t.first_record_difference)});
+  int64_t record_differs = -1;
+  for (const auto& f : firsts)
+    if (f.at(0) >= 0 && (record_differs < 0 || f.at(0) < record_differs))
+      record_differs = static_cast<int64_t>(f.at(0));
+  if (r == 0) {
+    fmt::print("record form (each rank its own windows, a {} B record all-reduced, a count on {} "
+               "steps): rank 0's exchange and decision {:.2f} ms per step\n",
+               RecordDecider::kExchangedBytes, t.counted, 1e3 * t.record_s / t.steps);
+    if (record_differs < 0)
+      fmt::print("the record form decided as the table at every step on every rank\n");
+    else
+      fmt::print("the record form decided otherwise than the table at step {}\n",
+                 record_differs);
+  }
+  return t.first_disagreement < 0 && record_differs < 0;
 }
 
 }  // namespace lockstep

@@ -11,7 +11,9 @@
 
 #include "bench/machine.h"
 #include "decide/detector.h"
+#include "decide/record.h"
 #include "decide/device_decision.h"
+#include "decide/core/record.h"
 #include "decide/core/step.h"
 #include "decide/core/tensors.h"
 #include "lockstep/bench.h"
@@ -35,12 +37,60 @@ std::vector<RankStats> healthy_table(std::mt19937_64& rng, int world) {
 }
 
 struct Timing {
-  double host_us = 0, core_us = 0;
+  double host_us = 0, core_us = 0, record_us = 0;
   bool agreed = true;
 };
 
-// Tables drawn once and cycled (a world of 100,000 ranks is 7.2 MB a table).
+// The record every rank holds after the all-reduces of step `table` (the other ranks' findings
+// from the table form's windows, which hold theirs): built outside the timing, as the
+// collective's work, not the decision's.
+core::StepRecord combined_record(const std::vector<RankStats>& table, const core::DecideState& s,
+                                 const core::DecideConfig& c) {
+  core::StepRecord all{};
+  for (size_t r = 0; r < table.size(); ++r) {
+    const double* row = rows_of(table) + r * core::kStatsDoubles;
+    const core::Ring g = core::rank_ring(s.ranks, static_cast<int>(r), core::kRankGradNorms);
+    const core::Ring l = core::rank_ring(s.ranks, static_cast<int>(r), core::kRankLosses);
+    const core::RankFinding f = core::rank_finding(
+        row, s.scale.scale, [&g](int64_t i) { return core::ring_at(g, i); }, g.size,
+        [&l](int64_t i) { return core::ring_at(l, i); }, l.size, c.min_history, c.thresholds);
+    core::StepRecord mine{};
+    core::record_contribution(row, false, f, mine);
+    if (r == 0) all = mine;
+    else core::record_combine(all, mine);
+  }
+  return all;
+}
+
+// Rank 0's own work per step in the record form: its finding against its own windows, its
+// contribution, the decision from the combined record, its windows. Outcomes against `host`.
+double time_record(int world, const std::vector<std::vector<RankStats>>& tables,
+                   const std::vector<core::StepRecord>& records, const std::vector<Decision>& host,
+                   const core::DecideConfig& c, const SkipConfig& cfg, bool& agreed) {
+  std::vector<double> rings(core::decide_state_doubles(cfg.window, cfg.fraction_window, 1));
+  core::DecideState own =
+      core::fresh_decide_state(rings.data(), cfg.window, cfg.fraction_window, 1, 1.0);
+  const auto start = Clock::now();
+  for (size_t i = 0; i < host.size(); ++i) {
+    const double* row = rows_of(tables[i % tables.size()]);
+    core::StepRecord mine{};
+    core::record_contribution(row, false, core::own_finding(row, own, c), mine);
+    core::DecideResult r{};
+    float found_inf = 0, grad_scale = 0;
+    if (!core::decide_record(records[i], world, 0, own, c, r, &found_inf, &grad_scale))
+      agreed = false;
+    core::record_own(own, c, row, false, r);
+    agreed = agreed && (r.outcome == core::kTake) == (host[i] == Decision::kStep) &&
+             mine.maxes.local_sumsq != 0;
+  }
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count() /
+         static_cast<double>(host.size());
+}
+
+// Tables drawn once and cycled (a world of 100,000 ranks is 7.2 MB a table); the record form
+// is timed over the first steps' records (each costs a pass over every rank's windows to build).
 constexpr size_t kTables = 16;
+constexpr size_t kRecords = 200;
 
 Timing time_world(int world, const DecisionBenchOptions& o) {
   SkipConfig cfg;
@@ -56,15 +106,22 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
     tables.push_back(healthy_table(rng, world));
   Timing t;
   std::vector<Decision> host(static_cast<size_t>(o.steps));
-  auto start = Clock::now();
+  std::vector<core::StepRecord> records;  // the record form's input, step by step
+  double host_s = 0;
   for (size_t i = 0; i < host.size(); ++i) {
+    if (i < kRecords) records.push_back(combined_record(tables[i % tables.size()],
+                                                        detector.host_state().s, c));
+    const auto start = Clock::now();
     const Verdict v = detector.decide(tables[i % tables.size()]);
     detector.record(v);
+    host_s += std::chrono::duration<double>(Clock::now() - start).count();
     host[i] = v.decision;
   }
-  t.host_us = std::chrono::duration<double, std::micro>(Clock::now() - start).count() / o.steps;
+  t.host_us = 1e6 * host_s / o.steps;
+  const std::vector<Decision> first(host.begin(), host.begin() + records.size());
+  t.record_us = time_record(world, tables, records, first, c, cfg, t.agreed);
   std::vector<double> flat(static_cast<size_t>(world) * core::kStatsDoubles);
-  start = Clock::now();
+  const auto start = Clock::now();
   for (size_t i = 0; i < host.size(); ++i) {
     std::memcpy(flat.data(), tables[i % tables.size()].data(), flat.size() * sizeof(double));
     core::DecideResult r{};
@@ -90,13 +147,19 @@ bool bench_decision(const DecisionBenchOptions& o) {
   fmt::print("lockstep bench decision | {} | {} steps per world size, windows of {}, one "
              "thread\n",
              describe_machine(false), o.steps, skip.window);
-  fmt::print("bytes received: the stats table's all-gather, {} B from each other rank; memory: "
-             "the decision's state (every rank's windows) and the table, the same on the host and "
-             "on the device\n",
-             sizeof(RankStats));
-  fmt::print("{:>7} | {:>14} | {:>20} | {:>19} | {:>15} | {}\n", "ranks", "host decide us",
-             "device form (host) us", "bytes received/step", "memory per rank", "same outcomes");
+  fmt::print("table form: every rank all-gathers the {} B rows and keeps every rank's windows "
+             "(host: SkipDetector, device: core::decide_step compiled for the host); record form: "
+             "each rank keeps its own windows and all-reduces one {} B record (core/record.h; "
+             "rank 0's own work per step, the sums' all-reduce apart); bytes: received (table) or "
+             "sent and received (record) per rank per step; memory: the decision's state and what "
+             "is exchanged\n",
+             sizeof(RankStats), RecordDecider::kExchangedBytes);
+  fmt::print("{:>7} | {:>10} | {:>10} | {:>10} | {:>11} | {:>12} | {:>10} | {:>13} | {}\n",
+             "ranks", "table host", "table dev", "record us", "table bytes", "record bytes",
+             "table mem", "record mem", "same outcomes");
   bool ok = true;
+  const RecordDecider one(decide_config(skip, TrainingConfig{}), skip.window, skip.fraction_window,
+                          1.0);
   for (int world : o.worlds) {
     const Timing t = time_world(world, o);
     ok = ok && t.agreed;
@@ -105,8 +168,12 @@ bool bench_decision(const DecisionBenchOptions& o) {
         8.0 * static_cast<double>(core::decide_state_doubles(skip.window, skip.fraction_window,
                                                              world)) +
         static_cast<double>(sizeof(RankStats)) * world;
-    fmt::print("{:>7} | {:>14.2f} | {:>20.3f} | {:>19} | {:>15} | {}\n", world, t.host_us,
-               t.core_us, bytes_text_short(received), bytes_text_short(memory),
+    const double record = static_cast<double>(RecordDecider::kExchangedBytes);
+    fmt::print("{:>7} | {:>10.2f} | {:>10.3f} | {:>10.3f} | {:>11} | {:>12} | {:>10} | {:>13} | "
+               "{}\n",
+               world, t.host_us, t.core_us, t.record_us, bytes_text_short(received),
+               bytes_text_short(world > 1 ? record : 0), bytes_text_short(memory),
+               bytes_text_short(static_cast<double>(one.state_bytes()) + record),
                t.agreed ? "yes" : "NO");
   }
   return ok;

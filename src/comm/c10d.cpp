@@ -24,6 +24,12 @@ class C10dComm final : public Comm {
     std::vector<at::Tensor> v = {t};
     return finish(g_.pg->allreduce(v), "all_reduce");
   }
+  std::unique_ptr<CommWork> all_reduce_max_async(at::Tensor& t) override {
+    std::vector<at::Tensor> v = {t};
+    c10d::AllreduceOptions o;
+    o.reduceOp = c10d::ReduceOp::MAX;
+    return finish(g_.pg->allreduce(v, o), "all_reduce_max");
+  }
   void broadcast(at::Tensor& t, int root) override {
     std::vector<at::Tensor> v = {t};
     c10d::BroadcastOptions o;

@@ -58,6 +58,7 @@ class Comm {
   // on every rank. A collective that does not finish within train_timeout_seconds makes wait()
   // throw an Error that names it (a lost rank never hangs the others).
   virtual std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) = 0;  // in place
+  virtual std::unique_ptr<CommWork> all_reduce_max_async(at::Tensor& t) = 0;  // in place
   // size() blocks in rank order each way: `out` receives rank r's `in` in block r (all-gather);
   // block r of every rank's `in` is summed into rank r's `out` (reduce-scatter). The blocks are
   // one tensor, a flat buffer or a [size(), n] view whose rows are contiguous (the same piece of
@@ -78,6 +79,7 @@ class Comm {
 
   // Blocking forms of the asynchronous ones.
   void all_reduce_sum(at::Tensor& t) { all_reduce_sum_async(t)->wait(); }
+  void all_reduce_max(at::Tensor& t) { all_reduce_max_async(t)->wait(); }
   void all_gather(const at::Tensor& in, at::Tensor& out) { all_gather_async(in, out)->wait(); }
   void reduce_scatter_sum(const at::Tensor& in, at::Tensor& out) {
     reduce_scatter_sum_async(in, out)->wait();

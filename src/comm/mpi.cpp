@@ -67,14 +67,10 @@ class MpiComm final : public Comm {
   std::string backend() const override { return "mpi"; }
 
   std::unique_ptr<CommWork> all_reduce_sum_async(at::Tensor& t) override {
-    at::Tensor h = summable(host(t, "all_reduce"));
-    MPI_Request req;
-    MPI_Iallreduce(MPI_IN_PLACE, h.data_ptr(), static_cast<int>(h.numel()),
-                   mpi_type(h, "all_reduce"), MPI_SUM, comm_, &req);
-    return std::make_unique<CommWork>([this, req, h, t]() mutable {
-      wait(req, "all_reduce");
-      back(h, t);
-    });
+    return all_reduce(t, MPI_SUM, "all_reduce");
+  }
+  std::unique_ptr<CommWork> all_reduce_max_async(at::Tensor& t) override {
+    return all_reduce(t, MPI_MAX, "all_reduce_max");
   }
   void broadcast(at::Tensor& t, int root) override {
     at::Tensor h = host(t, "broadcast");
@@ -137,6 +133,17 @@ class MpiComm final : public Comm {
   static at::Tensor summable(const at::Tensor& h) {
     const bool half = h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf;
     return half ? h.to(at::kFloat) : h;
+  }
+  // In place, with `op` (the sum or the largest), started now.
+  std::unique_ptr<CommWork> all_reduce(at::Tensor& t, MPI_Op op, const char* name) {
+    at::Tensor h = summable(host(t, name));
+    MPI_Request req;
+    MPI_Iallreduce(MPI_IN_PLACE, h.data_ptr(), static_cast<int>(h.numel()), mpi_type(h, name),
+                   op, comm_, &req);
+    return std::make_unique<CommWork>([this, req, h, t, name]() mutable {
+      wait(req, name);
+      back(h, t);
+    });
   }
   // Copies the result into the original when MPI worked on a copy (an fp32 sum of 16-bit floats).
   static void back(const at::Tensor& staged, const at::Tensor& t) {

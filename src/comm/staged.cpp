@@ -31,6 +31,10 @@ class StagedComm final : public Comm {
     at::Tensor s = staged(t);
     return then(inner_->all_reduce_sum_async(s), {{s, t}});
   }
+  std::unique_ptr<CommWork> all_reduce_max_async(at::Tensor& t) override {
+    at::Tensor s = staged(t);
+    return then(inner_->all_reduce_max_async(s), {{s, t}});
+  }
   void broadcast(at::Tensor& t, int root) override {
     at::Tensor s = staged(t);
     inner_->broadcast(s, root);

@@ -84,10 +84,14 @@ HostDecideState HostDecideState::resized(int w) const {
 
 // ---- SkipDetector -------------------------------------------------------------------------------
 
-SkipDetector::SkipDetector(const SkipConfig& skip, const TrainingConfig& training, int world)
+SkipDetector::SkipDetector(const SkipConfig& skip, const TrainingConfig& training, int world,
+                           int own_rank)
     : config_(decide_config(skip, training)),
       consecutive_tokens_(skip.max_consecutive_tokens),
-      state_(skip.window, skip.fraction_window, world, loss_scale_setting(training).value) {}
+      world_(world),
+      own_rank_(own_rank),
+      state_(skip.window, skip.fraction_window, own_rank >= 0 ? 1 : world,
+             loss_scale_setting(training).value) {}
 
 HostDecideState SkipDetector::state_for(int world) const {
   return state_.world == world ? state_ : state_.resized(world);
@@ -127,19 +131,7 @@ std::string SkipDetector::guard_message(const core::DecideResult& r,
   }
 }
 
-Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& triage) const {
-  const int world = static_cast<int>(ranks.size());
-  std::optional<HostDecideState> other;
-  const HostDecideState& st = state_.world == world ? state_ : other.emplace(state_for(world));
-  std::vector<uint8_t> dropped(ranks.size(), 0);
-  for (int r : triage.dropped) dropped[static_cast<size_t>(r)] = 1;
-  const core::BeforeSync before{triage.dropped.empty() ? nullptr : dropped.data(),
-                                static_cast<int32_t>(triage.culprits.size()),
-                                triage.skip_step ? 1 : 0,
-                                static_cast<int32_t>(triage.hardware_suspects.size())};
-  core::DecideResult r{};
-  core::score_step(rows_of(ranks), world, st.s, config_, before, r);
-
+Verdict SkipDetector::verdict_of(const core::DecideResult& r, const HostDecideState& st) const {
   Verdict v;
   v.decision = decision_of(r.outcome, r.clipped != 0, r.salvaged != 0);
   v.why = r.why;
@@ -157,12 +149,25 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   v.clip_to = r.clip_to;
   v.clip = r.clip;
   v.compute_seconds = r.seconds;
-  if (v.interrupted) return v;  // nothing to name: the step did not happen
-  if (v.overflow) {  // an fp16 overflow: the loss scale, not the data; no rank is blamed
-    v.reasons = core::kLossScaleOverflow;
-    return v;
-  }
-  v.reasons = r.reasons;
+  // An fp16 overflow: the loss scale, not the data; no rank is blamed.
+  v.reasons = v.interrupted ? 0 : v.overflow ? core::kLossScaleOverflow : r.reasons;
+  return v;
+}
+
+Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& triage) const {
+  const int world = static_cast<int>(ranks.size());
+  std::optional<HostDecideState> other;
+  const HostDecideState& st = state_.world == world ? state_ : other.emplace(state_for(world));
+  std::vector<uint8_t> dropped(ranks.size(), 0);
+  for (int r : triage.dropped) dropped[static_cast<size_t>(r)] = 1;
+  const core::BeforeSync before{triage.dropped.empty() ? nullptr : dropped.data(),
+                                static_cast<int32_t>(triage.culprits.size()),
+                                triage.skip_step ? 1 : 0,
+                                static_cast<int32_t>(triage.hardware_suspects.size())};
+  core::DecideResult r{};
+  core::score_step(rows_of(ranks), world, st.s, config_, before, r);
+  Verdict v = verdict_of(r, st);
+  if (v.interrupted || v.overflow) return v;  // nothing to name: the step did not happen
   for (int i = 0; i < world; ++i) {
     const core::RankValues rv =
         core::rank_values(rows_of(ranks) + i * core::kStatsDoubles, r.loss_scale);
@@ -181,8 +186,41 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   return v;
 }
 
+Verdict SkipDetector::decide_own(const core::DecideResult& r, const RankStats& mine) const {
+  Verdict v = verdict_of(r, state_);
+  if (v.interrupted || v.overflow) return v;
+  v.own_values = core::rank_values(reinterpret_cast<const double*>(&mine), r.loss_scale);
+  return v;
+}
+
+void SkipDetector::name(Verdict& v, const std::vector<RankStats>& table,
+                        const std::vector<core::RankFinding>& findings) const {
+  if (v.interrupted || v.overflow) return;
+  LocalFindings f;
+  for (size_t r = 0; r < table.size(); ++r) {
+    const core::RankValues rv =
+        core::rank_values(rows_of(table) + r * core::kStatsDoubles, v.loss_scale);
+    v.rank_grad_norm.push_back(rv.grad_norm);
+    v.rank_loss.push_back(rv.loss);
+    const core::RankFinding& k = findings[r];
+    f.ranks.push_back(k);
+    f.sample_evidence = f.sample_evidence || k.samples;
+    if (k.reasons == 0) continue;
+    f.outliers.push_back(static_cast<int>(r));
+    f.reasons |= k.reasons;
+  }
+  v.rank_findings = f.ranks;
+  attribute(v, table, f, Triage{});
+}
+
 void SkipDetector::record(const Verdict& v) {
   const core::DecideResult r = result_of(v);
+  if (own_only()) {  // the record form: the global state and this rank's own windows
+    core::record_step(state_.s, config_, r);
+    if (r.outcome == core::kTake && !r.overflow && v.own_values)
+      core::record_rank_values(state_.s, config_, r, 0, *v.own_values);
+    return;
+  }
   const int world = static_cast<int>(v.rank_loss.size());
   const bool taken = r.outcome == core::kTake && !r.overflow;
   if (taken && state_.world != world) state_ = state_.resized(world);
@@ -255,16 +293,20 @@ void SkipDetector::load_state(const nlohmann::json& j) {
   const nlohmann::json rank_gn = j.value("rank_grad_norms", nlohmann::json::array());
   const nlohmann::json rank_ls = j.value("rank_losses", nlohmann::json::array());
   const int world = static_cast<int>(rank_ls.size());
-  HostDecideState st(state_.s.grad_norms.capacity, state_.s.recent.capacity, world,
-                     state_.s.scale.scale);
+  const bool whole = static_cast<int>(rank_gn.size()) == world;
+  // The record form keeps its own rank's windows (those of a job as large as this one).
+  const int first = own_only() ? own_rank_ : 0;
+  const int last = own_only() ? (world == world_ ? own_rank_ + 1 : 0) : world;
+  HostDecideState st(state_.s.grad_norms.capacity, state_.s.recent.capacity,
+                     own_only() ? 1 : world, state_.s.scale.scale);
   st.s.scale = state_.s.scale;
   push_all(st.s.grad_norms, j.at("grad_norms"));
   push_all(st.s.losses, j.at("losses"));
-  for (int r = 0; r < world && static_cast<int>(rank_gn.size()) == world; ++r) {
+  for (int r = first; r < last && whole; ++r) {
     for (const auto& v : rank_gn[static_cast<size_t>(r)])
-      core::rank_ring_push(st.s.ranks, r, 0, v.get<double>());
+      core::rank_ring_push(st.s.ranks, r - first, 0, v.get<double>());
     for (const auto& v : rank_ls[static_cast<size_t>(r)])
-      core::rank_ring_push(st.s.ranks, r, 1, v.get<double>());
+      core::rank_ring_push(st.s.ranks, r - first, 1, v.get<double>());
   }
   st.s.consecutive_skips = j.at("consecutive_skips").get<int64_t>();
   st.s.consecutive_skip_seconds = j.value("consecutive_skip_seconds", 0.0);  // older: none

@@ -71,8 +71,10 @@ struct WindowSummary {
 class SkipDetector {
  public:
   // `world`: the ranks whose windows to hold (a table of another size starts them empty).
+  // `own_rank` >= 0: the record form (skip.exchange, decide/record.h): the state holds that
+  // rank's own windows only, and decide_own / name / record take the place of decide.
   explicit SkipDetector(const SkipConfig& skip, const TrainingConfig& training = {},
-                        int world = 0);
+                        int world = 0, int own_rank = -1);
 
   // The decision for one step from every rank's stats, in rank order, after `triage`. Pure:
   // the same inputs and state give the same verdict, bit for bit, on every rank. With loss
@@ -80,6 +82,15 @@ class SkipDetector {
   // sync) is an overflow: skipped with reason loss_scale_overflow whatever skip.enabled says,
   // outside the skip guards (the loss scale has its own), blaming no rank.
   Verdict decide(const std::vector<RankStats>& ranks, const Triage& triage = {}) const;
+  // The record form (own_only()): the verdict of a result scored from the record (`mine`: this
+  // rank's row), without names; needs_table says whether the step has something to explain,
+  // and name() adds the names from every rank's row and own finding (gathered for it), in rank
+  // order: what decide() gives from the table.
+  bool own_only() const { return own_rank_ >= 0; }
+  Verdict decide_own(const core::DecideResult& r, const RankStats& mine) const;
+  static bool needs_table(const Verdict& v) { return v.anomalous() && !v.interrupted; }
+  void name(Verdict& v, const std::vector<RankStats>& table,
+            const std::vector<core::RankFinding>& findings) const;
   // Each rank's own values against its windows (scope.cpp).
   LocalFindings local_findings(const std::vector<RankStats>& ranks) const;
   // Advances the state with a decided step (the core's record_step and record_rank): a skip's
@@ -101,6 +112,7 @@ class SkipDetector {
   const core::DecideConfig& config() const { return config_; }
   // The core's state for `world` ranks (this one, or resized): what the device decision uploads.
   HostDecideState state_for(int world) const;
+  const HostDecideState& host_state() const { return state_; }
 
   // The windows and guards, and the loss scale, for checkpoints; doubles round-trip exactly
   // through JSON. load_loss_scale({}) keeps the fresh scale.
@@ -114,12 +126,16 @@ class SkipDetector {
   void attribute(Verdict& v, const std::vector<RankStats>& ranks, const LocalFindings& f,
                  const Triage& triage) const;
   std::string guard_message(const core::DecideResult& r, const HostDecideState& st) const;
+  // The verdict's numbers from the core's result (decide and decide_own alike).
+  Verdict verdict_of(const core::DecideResult& r, const HostDecideState& st) const;
 
   // local_findings against `st`, the state for the table's world size.
   LocalFindings findings(const std::vector<RankStats>& ranks, const HostDecideState& st) const;
 
   core::DecideConfig config_;
   int64_t consecutive_tokens_;  // skip.max_consecutive_tokens, when it set max_consecutive
+  int world_;                   // the job's ranks
+  int own_rank_;                // the record form: this rank (its windows are the state's)
   HostDecideState state_;
 };
 

@@ -200,7 +200,7 @@ bool device_decides(const Config& c, const UpdatePath& u) {
     case DeviceDecisionMode::kAuto: break;
   }
   return u.on_gpu && u.takes_found_inf && device_decision_blocker(c).empty() &&
-         host_decides_because(u).empty();
+         host_decides_because(u).empty() && c.skip.exchange != Exchange::kRecord;
 }
 
 std::string host_decides_because(const UpdatePath& u) {

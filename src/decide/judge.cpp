@@ -30,7 +30,7 @@ void blame_model(Verdict& v, const std::vector<double>& counts,
 
 StepJudge::StepJudge(const Config& c, const SkipConfig& skip, std::vector<NamedTensor> grads,
                      std::vector<std::string> tensors, Comm* comm, Where where)
-    : detector_(skip, c.training, where.world),
+    : detector_(skip, c.training, where.world, where.record_form ? where.rank : -1),
       tensors_(c.skip, std::move(tensors), comm),
       explainer_(c.skip, c.diagnostics.top_params, where.rank, std::move(grads),
                  std::move(where.host), std::move(where.device), std::move(where.loop)),

@@ -47,6 +47,7 @@ class StepJudge {
     int rank = 0, world = 1;
     std::string host, device;
     std::string loop = "lockstep";  // whose loop the events speak to (explain.h)
+    bool record_form = false;       // skip.exchange: the detector holds this rank's windows only
   };
   // `skip`: the config's, with the trainer's token guard folded in (job.cpp); `grads` names the
   // checks' tensors in order (events), `tensors` the per-tensor policies' (check [B]'s);

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,7 @@ struct Verdict {
   std::vector<double> rank_grad_norm, rank_loss;      // each rank's own values (unscaled)
   std::vector<core::RankFinding> rank_findings;       // ... against its own windows: z-scores
                                                       // and why it stands out (anomalous steps)
+  std::optional<core::RankValues> own_values;  // the record form: this rank's (its windows')
   std::vector<int> dropped_ranks;      // salvage: contributed nothing to the sync
   std::vector<ReplayResult> replays;
   std::vector<int> hardware_suspects;  // ranks whose device a replay or probe blamed

@@ -9,10 +9,14 @@
 
 namespace lockstep {
 
-std::vector<double> compute_times(const std::vector<RankStats>& table) {
-  std::vector<double> out;
-  for (const RankStats& r : table) out.push_back(r.compute_seconds);
-  return out;
+double compute_time(const std::vector<RankStats>& table, int rank) {
+  return rank < static_cast<int>(table.size()) ? table[static_cast<size_t>(rank)].compute_seconds
+                                               : 0;
+}
+
+bool all_measured(const std::vector<RankStats>& table) {
+  return std::all_of(table.begin(), table.end(),
+                     [](const RankStats& r) { return r.compute_seconds > 0; });
 }
 
 namespace {
@@ -78,36 +82,46 @@ double ComputeClock::seconds() {
 }
 
 StragglerWatch::StragglerWatch(double factor, int64_t window, int world)
-    : factor_(world > 1 ? factor : 0), window_(static_cast<size_t>(window)), world_(world) {}
+    : factor_(world > 1 ? factor : 0), window_(static_cast<size_t>(window)) {}
 
-void StragglerWatch::add(const std::vector<double>& seconds) {
-  if (factor_ <= 0 || window_ == 0 || static_cast<int>(seconds.size()) != world_) return;
-  if (std::any_of(seconds.begin(), seconds.end(), [](double s) { return !(s > 0); }))
-    return;  // a rank without a measurement yet (a GPU's first step)
-  steps_.push_back(seconds);
-  if (steps_.size() > window_) steps_.pop_front();
+void StragglerWatch::add(double seconds, bool measured) {
+  if (factor_ <= 0 || window_ == 0 || !measured) return;
+  own_.push_back(seconds);
+  if (own_.size() > window_) own_.pop_front();
+}
+
+std::optional<double> StragglerWatch::median() const {
+  if (factor_ <= 0 || window_ == 0 || own_.size() < window_) return std::nullopt;
+  return lockstep::median({own_.begin(), own_.end()});
+}
+
+void StragglerWatch::evaluate(Comm* comm) {
+  if (factor_ <= 0 || window_ == 0) return;
   const std::vector<Straggler> before = std::move(slow_);
   slow_.clear();
   newly_named_ = false;
-  if (steps_.size() < window_) return;
-  std::vector<double> own(static_cast<size_t>(world_));
-  for (int r = 0; r < world_; ++r) {
-    std::vector<double> times;
-    for (const auto& s : steps_) times.push_back(s[static_cast<size_t>(r)]);
-    own[static_cast<size_t>(r)] = median(times);
-  }
+  const std::optional<double> mine = median();
+  if (!mine) return;  // the same count on every rank: all return here alike
+  std::vector<double> medians;
+  for (const auto& m : all_gather_values(comm, {*mine})) medians.push_back(m[0]);
+  slow_ = named(medians, factor_);
+  for (const Straggler& s : slow_)
+    newly_named_ = newly_named_ || std::none_of(before.begin(), before.end(),
+                                                [&s](const Straggler& b) { return b.rank == s.rank; });
+}
+
+std::vector<Straggler> StragglerWatch::named(const std::vector<double>& own, double factor) {
+  std::vector<Straggler> out;
+  if (own.size() < 2) return out;
   std::vector<double> sorted = own;
   std::sort(sorted.begin(), sorted.end());
-  for (int r = 0; r < world_; ++r) {
-    const double v = own[static_cast<size_t>(r)];
+  for (size_t r = 0; r < own.size(); ++r) {
     const auto k = static_cast<size_t>(
-        std::lower_bound(sorted.begin(), sorted.end(), v) - sorted.begin());
-    const double ratio = v / median_without(sorted, k);
-    if (ratio < factor_) continue;
-    slow_.push_back({r, ratio});
-    newly_named_ = newly_named_ || std::none_of(before.begin(), before.end(),
-                                                [r](const Straggler& s) { return s.rank == r; });
+        std::lower_bound(sorted.begin(), sorted.end(), own[r]) - sorted.begin());
+    const double ratio = own[r] / median_without(sorted, k);
+    if (ratio >= factor) out.push_back({static_cast<int>(r), ratio});
   }
+  return out;
 }
 
 std::string StragglerWatch::text(const std::vector<Straggler>& slow) {

@@ -1,9 +1,11 @@
 // Stragglers: a rank whose own compute (forward, backward and its check [A]) is slower than the
-// others'. Each rank's compute time rides in its stats row (RankStats::compute_seconds), so
-// every rank holds every rank's times each step at no extra collective; the watch compares each
-// rank's median over a window with the median of the other ranks' medians and names a rank
-// slower by diagnostics.straggler_factor. Hangs stay the collective timeout's
-// (comm.train_timeout_seconds); this names the rank that every step waits for.
+// others'. Each rank keeps its own compute times over a window (its stats row carries the step's,
+// so the decision's exchange says whether every rank measured it); on the steps that report (the
+// logged ones) the ranks all-gather one number each, their medians, and the watch names a rank
+// whose median is diagnostics.straggler_factor times the median of the other ranks' medians.
+// Per step nothing grows with the world; the gather of W numbers happens only on logged steps.
+// Hangs stay the collective timeout's (comm.train_timeout_seconds); this names the rank that
+// every step waits for.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -12,9 +14,11 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "comm/comm.h"
 #include "lockstep/decision.h"
 
 namespace lockstep {
@@ -40,8 +44,9 @@ class ComputeClock {
   std::unique_ptr<Events> events_;  // GPU only
 };
 
-// Every rank's compute seconds: the stats table's column.
-std::vector<double> compute_times(const std::vector<RankStats>& table);
+// This rank's compute seconds in a stats table, and whether every rank measured its compute.
+double compute_time(const std::vector<RankStats>& table, int rank);
+bool all_measured(const std::vector<RankStats>& table);
 
 struct Straggler {
   int rank = 0;
@@ -53,22 +58,30 @@ class StragglerWatch {
   // factor <= 0 or one rank: off.
   StragglerWatch(double factor, int64_t window, int world);
 
-  // One step's compute seconds of every rank (the stats table's column; 0 = not measured).
-  void add(const std::vector<double>& seconds);
+  // This rank's compute seconds of a step; `all_measured`: every rank measured that step (on a
+  // GPU the first is not), else the step is left out, on every rank alike.
+  void add(double seconds, bool all_measured);
+  // On a step that reports (every rank calls it at the same step): once the window is full,
+  // every rank's median (one all-gather of one number; a null comm: this rank alone) names the
+  // ranks slower than factor x the others'; before that, none.
+  void evaluate(Comm* comm);
 
-  // The ranks slower than factor x the others, once the window is full; empty otherwise.
+  // This rank's median over a full window (none before, or when the watch is off).
+  std::optional<double> median() const;
+  // The ranks named at the last evaluate().
   const std::vector<Straggler>& slow() const { return slow_; }
-  // A rank in slow() that the step before did not name.
+  // A rank in slow() that the evaluation before did not name.
   bool newly_named() const { return newly_named_; }
 
+  // Every rank's median, in rank order: the ranks slower than `factor` x the others' median.
+  static std::vector<Straggler> named(const std::vector<double>& medians, double factor);
   // "rank 1 (2.3x)", "ranks 1 (2.3x), 4 (1.6x)"; "" for none.
   static std::string text(const std::vector<Straggler>& slow);
 
  private:
   double factor_;
   size_t window_;
-  int world_;
-  std::deque<std::vector<double>> steps_;
+  std::deque<double> own_;  // this rank's last `window` measured steps
   std::vector<Straggler> slow_;
   bool newly_named_ = false;
 };

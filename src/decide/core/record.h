@@ -33,6 +33,7 @@ struct RecordSums {
   int64_t dropped;
   int64_t outliers;  // ranks whose own finding has reasons
   int64_t samples;   // ranks whose samples name themselves
+  int64_t unmeasured;  // ranks without a compute time yet (the straggler watch skips the step)
 };
 // The largest part: non-negative doubles as their bits (which order as the doubles do).
 struct RecordMaxes {
@@ -94,6 +95,7 @@ LOCKSTEP_HD inline void record_contribution(const double* row, bool dropped, con
   s.dropped = dropped ? 1 : 0;
   s.outliers = f.reasons != 0 ? 1 : 0;
   s.samples = f.samples ? 1 : 0;
+  s.unmeasured = row[kComputeSeconds] > 0 ? 0 : 1;
   out.maxes.compute_seconds = ordered_bits(max_of(0.0, row[kComputeSeconds]));
   out.maxes.local_sumsq = ordered_bits(max_of(0.0, row[kLocalSumsq]));
 }
