@@ -1,6 +1,8 @@
-// The decision core (src/decide/core/) as two small kernels: one thread decides over the [W, 9]
-// table and the windows, then one thread per rank advances its own windows; the per-tensor rules
-// follow on the same stream. Compiled with --fmad=false (CMakeLists.txt): the host's bits.
+// The decision core (src/decide/core/) as small kernels. The table form: one thread decides over
+// the [W, 9] table and the windows, then one thread per rank advances its own windows; the
+// per-tensor rules follow on the same stream. The record form: three one-thread kernels around
+// the collectives (decide/device_record.h). Compiled with --fmad=false (CMakeLists.txt): the
+// host's bits.
 #include <cuda_runtime.h>
 
 #include "kernels/decide_step.h"
@@ -40,7 +42,42 @@ __global__ void decide_tensors_kernel(const double* table, int world, const doub
   if (threadIdx.x == 0 && tensor_step_taken(r)) *taken = seen + 1;
 }
 
+__global__ void record_contribute_kernel(const double* row, const DecideState* state,
+                                         DecideConfig config, StepRecord* out) {
+  record_contribute(row, *state, config, *out);
+}
+
+__global__ void record_below_kernel(const double* row, const StepRecord* all, int64_t* below) {
+  *below = record_below(row, *all);
+}
+
+__global__ void decide_record_kernel(const StepRecord* all, int world, const int64_t* below,
+                                     const double* row, DecideState* state, DecideConfig config,
+                                     DecideResult* out, float* found_inf, float* grad_scale) {
+  decide_record_step(*all, world, *below, row, *state, config, *out, found_inf, grad_scale);
+}
+
 }  // namespace
+
+int launch_record_contribute(const double* row, const DecideState* state,
+                             const DecideConfig& config, StepRecord* out, void* stream) {
+  record_contribute_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(row, state, config,
+                                                                           out);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_record_below(const double* row, const StepRecord* all, int64_t* below, void* stream) {
+  record_below_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(row, all, below);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int launch_decide_record(const StepRecord* all, int world, const int64_t* below, const double* row,
+                         DecideState* state, const DecideConfig& config, DecideResult* out,
+                         float* found_inf, float* grad_scale, void* stream) {
+  decide_record_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
+      all, world, below, row, state, config, out, found_inf, grad_scale);
+  return static_cast<int>(cudaGetLastError());
+}
 
 int launch_decide_tensors(const double* table, int world, const double* sums, int tensors,
                           DecideState* state, const DecideConfig& config, const TensorRule& rule,

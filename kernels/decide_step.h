@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "decide/core/record.h"
 #include "decide/core/step.h"
 #include "decide/core/tensors.h"
 
@@ -22,5 +23,18 @@ int launch_decide_tensors(const double* table, int world, const double* sums, in
                           const core::TensorRule& rule, const core::DecideResult* result,
                           int64_t* taken, double* gamma, float* factors, float* resets,
                           void* stream);
+
+// The record form (decide/core/record.h), one thread each: this rank's part of the record; its
+// part of the cross-rank count once `all` holds every rank's; the step and this rank's own
+// windows once `below` holds the count. Returns a cudaError_t as int.
+int launch_record_contribute(const double* row, const core::DecideState* state,
+                             const core::DecideConfig& config, core::StepRecord* out,
+                             void* stream);
+int launch_record_below(const double* row, const core::StepRecord* all, int64_t* below,
+                        void* stream);
+int launch_decide_record(const core::StepRecord* all, int world, const int64_t* below,
+                         const double* row, core::DecideState* state,
+                         const core::DecideConfig& config, core::DecideResult* out,
+                         float* found_inf, float* grad_scale, void* stream);
 
 }  // namespace lockstep::kernels

@@ -560,7 +560,8 @@ void skip_fields(std::vector<Field>& t) {
                            "what the ranks exchange each step: record = one fixed-size record "
                            "(its cost per rank does not grow with the world; every rank's row "
                            "only on a step to explain), table = every rank's row; auto = the "
-                           "record when the host decides and no triage or probe reads the rows"));
+                           "record unless a setting reads every rank's row each step (the "
+                           "triage, the probe; on the device, the per-tensor policies)"));
 }
 
 void diagnostics_and_fault_fields(std::vector<Field>& t) {
@@ -1003,8 +1004,10 @@ void validate_device_decision(const Config& c) {
 void validate_exchange(const Config& c) {
   if (c.skip.exchange != Exchange::kRecord) return;
   std::string blocker = record_exchange_blocker(c);
-  if (blocker.empty() && c.skip.device_decision == DeviceDecisionMode::kOn)
-    blocker = "skip.device_decision = \"on\" (the device decides from the table)";
+  if (blocker.empty() && c.skip.device_decision == DeviceDecisionMode::kOn &&
+      tensor_policies_on(c.skip))
+    blocker = "skip.device_decision = \"on\" with the per-tensor policies (skip.adaptive_clip = "
+              "\"adagc\" or skip.spike_moment_reset)";
   if (!blocker.empty())
     throw ConfigError(fmt::format(
         "invalid value for 'skip.exchange': \"record\", but {} reads every rank's row each "
@@ -1183,8 +1186,13 @@ std::string record_exchange_blocker(const Config& c) {
   return "";
 }
 
+bool tensor_policies_on(const SkipConfig& k) {
+  return k.adaptive_clip == AdaptiveClip::kAdaGC || k.spike_moment_reset;
+}
+
 bool exchanges_record(const Config& c, bool on_device) {
-  return c.skip.exchange != Exchange::kTable && !on_device && record_exchange_blocker(c).empty();
+  return c.skip.exchange != Exchange::kTable && record_exchange_blocker(c).empty() &&
+         !(on_device && tensor_policies_on(c.skip));
 }
 
 LossScaleSetting loss_scale_setting(const TrainingConfig& t) {

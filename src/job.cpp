@@ -234,6 +234,14 @@ void log_setup(const Job& j) {
   else if (j.device.is_cuda() && c.skip.device_decision == DeviceDecisionMode::kAuto)
     log::info("decision: on the host, one sync per step ({})",
               decides_on_host_because(c, j.device, j.ranks.local_world_size));
+  if (j.ranks.world_size > 1 && j.judge->detector().own_only())
+    log::info("exchange: one {}-byte record a step, every rank's row only on a step to explain "
+              "(skip.exchange)",
+              sizeof(core::StepRecord));
+  else if (j.ranks.world_size > 1)
+    log::info("exchange: every rank's 72-byte row a step ({})",
+              c.skip.exchange == Exchange::kTable ? "skip.exchange = \"table\""
+                                                  : "the settings read every rank's row");
   if (t.mixed_precision_param != Precision::kFloat32 ||
       t.mixed_precision_reduce != ReducePrecision::kFloat32)
     log::info("mixed precision: {} forward and backward, {} gradient reduction, fp32 master "

@@ -149,8 +149,8 @@ void decide_on_device(Job& job, Issued& i) {
   TensorPolicies& tensors = job.judge->tensors();
   const at::Tensor mine = tensors.with_sums(row, i.s.shard_stats);  // + per-tensor sums
   const auto start = Clock::now();
-  const DeviceDecision::Update u =
-      job.judge->decide_on_device(gather_rows(job.comm.get(), mine), i.step);
+  const DeviceDecision::Update u = job.judge->decide_on_device(  // the record form: its row
+      job.judge->detector().own_only() ? mine : gather_rows(job.comm.get(), mine), i.step);
   i.s.costs.decision += seconds_since(start);
   update(job, i.lr, UpdateControl::on_device(u.found_inf, u.grad_scale), tensors.on_device(u));
 }
@@ -168,9 +168,9 @@ Issued issue(Job& job, int64_t step, double lr) {
 // the copied table (the device's state is the host's, bit for bit) and checks the device agreed.
 StepResult read_device_verdict(Job& job, Issued& i) {
   const auto start = Clock::now();
-  const StepJudge::Checked late = job.judge->read(i.step);  // the device agreed (else it throws)
-  StepResult r{late.verdict, i.lr, late.verdict.clip, {},
-               compute_time(late.table, job.ranks.rank), all_measured(late.table)};
+  StepJudge::Checked late = job.judge->read(i.step);  // the device agreed (else it throws)
+  name_by_record(job.judge->detector(), late, job.comm.get());  // the record form's names
+  StepResult r{late.verdict, i.lr, late.verdict.clip, {}, late.seconds, late.all_measured};
   i.s.costs.decision += seconds_since(start);
   i.s.costs.wait += late.waited;
   i.s.costs.waits += late.waited > 0 ? 1 : 0;
@@ -222,7 +222,7 @@ TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
   if (decides_on_device(job.config, job.device, job.ranks.local_world_size))
-    job.judge->start_device(job.device);
+    job.judge->start_device(job.device, job.comm.get());
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
                      job.tokens_per_step, job.judge->detector().loss_scaling(),
                      job.model->flops_per_token(job.config.training.seq_len), job.peak_flops,

@@ -1,8 +1,9 @@
 // The record form of the decision in the trainer (skip.exchange = "record", decide/record.h):
 // each rank keeps its own windows only and the ranks all-reduce one fixed-size record per step,
 // every rank's row only on a step to explain. The same faulted job, exchanging the table and the
-// record, must give the same run: the same decisions, events (scope, culprits, each rank's
-// z-scores), counters and weights, on 2-4 ranks over Gloo and MPI, in ddp, sharded and fsdp. A
+// record, decided on the host and on the device (decide/device_record.h, here in host memory),
+// must give the same run: the same decisions, events (scope, culprits, each rank's z-scores),
+// counters and weights, on 2-4 ranks over Gloo and MPI, in ddp, sharded and fsdp. A
 // checkpoint holds every rank's windows whichever form saved it, so a run resumed in the other
 // form goes on as the uninterrupted one; configs that read the table are refused by name.
 #include <fmt/format.h>
@@ -63,11 +64,19 @@ void expect_same_runs(int world, const std::string& args, Launcher launcher) {
       test::run_ranks(world, dir / "table", 60, common + " --skip.exchange table", launcher);
   const auto record =
       test::run_ranks(world, dir / "record", 60, common + " --skip.exchange record", launcher);
+  // The device form in host memory: three kernels around the collectives, read a step later.
+  const auto device = test::run_ranks(
+      world, dir / "device", 60,
+      common + " --skip.exchange record --skip.device_decision on", launcher);
   ASSERT_EQ(table.code, 0) << table.out;
   ASSERT_EQ(record.code, 0) << record.out;
-  expect_same_outcome(dir / "table", dir / "record", world);
-  for (int rank = 0; rank < world; ++rank)
-    EXPECT_EQ(events(dir / "record", rank), events(dir / "table", rank)) << "rank " << rank;
+  ASSERT_EQ(device.code, 0) << device.out;
+  for (const char* form : {"record", "device"}) {
+    SCOPED_TRACE(form);
+    expect_same_outcome(dir / "table", dir / form, world);
+    for (int rank = 0; rank < world; ++rank)
+      EXPECT_EQ(events(dir / form, rank), events(dir / "table", rank)) << "rank " << rank;
+  }
   const auto e = events(dir / "table", 0);
   EXPECT_GE(e.size(), 4u) << "the seed gives too few anomalies";
   size_t named = 0;
@@ -152,6 +161,21 @@ TEST(RecordForm, ConfigsThatReadEveryRanksRowAreRefusedByName) {
     EXPECT_FALSE(exchanges_record(c, false)) << key;
   }
   EXPECT_TRUE(exchanges_record(default_config({}), false));
-  EXPECT_FALSE(exchanges_record(default_config({}), true)) << "the device decides from the table";
+  EXPECT_TRUE(exchanges_record(default_config({}), true)) << "the device's record form";
   EXPECT_FALSE(exchanges_record(default_config({{"skip.exchange", "table"}}), false));
+  // The per-tensor policies read every rank's sums on the device: the table there, and an
+  // explicit "record" keeps the decision on the host (or is refused with the device "on").
+  const std::vector<Override> adagc = {{"skip.enabled", "true"}, {"skip.adaptive_clip", "adagc"}};
+  EXPECT_FALSE(exchanges_record(load_config("", "test", adagc), true));
+  EXPECT_TRUE(exchanges_record(load_config("", "test", adagc), false));
+  auto on = adagc;
+  on.insert(on.end(), {{"skip.exchange", "record"}, {"skip.device_decision", "on"}});
+  try {
+    load_config("", "test", on);
+    ADD_FAILURE() << "the device's record form with AdaGC was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("skip.device_decision = \"on\" with the per-tensor"),
+              std::string::npos)
+        << e.what();
+  }
 }

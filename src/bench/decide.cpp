@@ -62,10 +62,20 @@ core::StepRecord combined_record(const std::vector<RankStats>& table, const core
   return all;
 }
 
-// Rank 0's own work per step in the record form: its finding against its own windows, its
-// contribution, the decision from the combined record, its windows. Outcomes against `host`.
+// The cross-rank count every rank holds after its all-reduce (the device always counts it).
+int64_t combined_below(const std::vector<RankStats>& table, const core::StepRecord& all) {
+  int64_t below = 0;
+  for (size_t r = 0; r < table.size(); ++r)
+    below += core::record_below(rows_of(table) + r * core::kStatsDoubles, all);
+  return below;
+}
+
+// Rank 0's own work per step in the record form, as the device's three kernels do it (the same
+// core functions the host's form calls): its contribution from its own windows, its part of the
+// count, the decision from the combined record and count, its windows. Outcomes against `host`.
 double time_record(int world, const std::vector<std::vector<RankStats>>& tables,
-                   const std::vector<core::StepRecord>& records, const std::vector<Decision>& host,
+                   const std::vector<core::StepRecord>& records,
+                   const std::vector<int64_t>& belows, const std::vector<Decision>& host,
                    const core::DecideConfig& c, const SkipConfig& cfg, bool& agreed) {
   std::vector<double> rings(core::decide_state_doubles(cfg.window, cfg.fraction_window, 1));
   core::DecideState own =
@@ -74,14 +84,14 @@ double time_record(int world, const std::vector<std::vector<RankStats>>& tables,
   for (size_t i = 0; i < host.size(); ++i) {
     const double* row = rows_of(tables[i % tables.size()]);
     core::StepRecord mine{};
-    core::record_contribution(row, false, core::own_finding(row, own, c), mine);
+    core::record_contribute(row, own, c, mine);
+    const int64_t below = core::record_below(row, records[i]);  // its part; belows[i]: all
     core::DecideResult r{};
     float found_inf = 0, grad_scale = 0;
-    if (!core::decide_record(records[i], world, 0, own, c, r, &found_inf, &grad_scale))
-      agreed = false;
-    core::record_own(own, c, row, false, r);
+    core::decide_record_step(records[i], world, belows[i], row, own, c, r, &found_inf,
+                             &grad_scale);
     agreed = agreed && (r.outcome == core::kTake) == (host[i] == Decision::kStep) &&
-             mine.maxes.local_sumsq != 0;
+             mine.maxes.local_sumsq != 0 && below <= belows[i];
   }
   return std::chrono::duration<double, std::micro>(Clock::now() - start).count() /
          static_cast<double>(host.size());
@@ -107,10 +117,13 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   Timing t;
   std::vector<Decision> host(static_cast<size_t>(o.steps));
   std::vector<core::StepRecord> records;  // the record form's input, step by step
+  std::vector<int64_t> belows;
   double host_s = 0;
   for (size_t i = 0; i < host.size(); ++i) {
-    if (i < kRecords) records.push_back(combined_record(tables[i % tables.size()],
-                                                        detector.host_state().s, c));
+    if (i < kRecords) {
+      records.push_back(combined_record(tables[i % tables.size()], detector.host_state().s, c));
+      belows.push_back(combined_below(tables[i % tables.size()], records.back()));
+    }
     const auto start = Clock::now();
     const Verdict v = detector.decide(tables[i % tables.size()]);
     detector.record(v);
@@ -119,7 +132,7 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   }
   t.host_us = 1e6 * host_s / o.steps;
   const std::vector<Decision> first(host.begin(), host.begin() + records.size());
-  t.record_us = time_record(world, tables, records, first, c, cfg, t.agreed);
+  t.record_us = time_record(world, tables, records, belows, first, c, cfg, t.agreed);
   std::vector<double> flat(static_cast<size_t>(world) * core::kStatsDoubles);
   const auto start = Clock::now();
   for (size_t i = 0; i < host.size(); ++i) {
@@ -149,8 +162,9 @@ bool bench_decision(const DecisionBenchOptions& o) {
              describe_machine(false), o.steps, skip.window);
   fmt::print("table form: every rank all-gathers the {} B rows and keeps every rank's windows "
              "(host: SkipDetector, device: core::decide_step compiled for the host); record form: "
-             "each rank keeps its own windows and all-reduces one {} B record (core/record.h; "
-             "rank 0's own work per step, the sums' all-reduce apart); bytes: received (table) or "
+             "each rank keeps its own windows and all-reduces one {} B record and one count "
+             "(core/record.h; rank 0's own work per step as the device's kernels and the host "
+             "run it, the all-reduces apart); bytes: received (table) or "
              "sent and received (record) per rank per step; memory: the decision's state and what "
              "is exchanged\n",
              sizeof(RankStats), RecordDecider::kExchangedBytes);

@@ -42,6 +42,23 @@ at::Tensor bytes_on(c10::Device device, size_t n, bool pinned = false) {
 
 }  // namespace
 
+UploadedState upload_state(const HostDecideState& host, c10::Device device) {
+  UploadedState d;
+  d.rings = at::empty({static_cast<int64_t>(host.rings.size())},
+                      at::TensorOptions().dtype(at::kDouble).device(device));
+  d.rings.copy_(
+      at::from_blob(const_cast<double*>(host.rings.data()), {d.rings.numel()}, at::kDouble));
+  const core::DecideState s =
+      core::relocated(host.s, host.rings.data(), d.rings.data_ptr<double>());
+  d.state = bytes_on(device, sizeof s);
+  d.state.copy_(at::from_blob(const_cast<core::DecideState*>(&s),
+                              {static_cast<int64_t>(sizeof s)}, at::kByte));
+  d.loss_scale = at::from_blob(d.state.data_ptr<uint8_t>() + offsetof(core::DecideState, scale) +
+                                   offsetof(core::LossScaleState, scale),
+                               {}, at::TensorOptions().dtype(at::kDouble).device(device));
+  return d;
+}
+
 DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector& detector,
                                const TensorStart& tensors)
     : device_(device),
@@ -49,20 +66,10 @@ DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector
       config_(detector.config()),
       rule_(tensors.rule),
       tensors_(static_cast<int>(tensors.thresholds.size())) {
-  // The host's state, uploaded as it is: its rings in one copy, the struct pointing at them.
-  const HostDecideState host = detector.state_for(world);
-  rings_ = at::empty({static_cast<int64_t>(host.rings.size())},
-                     at::TensorOptions().dtype(at::kDouble).device(device));
-  rings_.copy_(
-      at::from_blob(const_cast<double*>(host.rings.data()), {rings_.numel()}, at::kDouble));
-  const core::DecideState s =
-      core::relocated(host.s, host.rings.data(), rings_.data_ptr<double>());
-  state_ = bytes_on(device, sizeof s);
-  state_.copy_(at::from_blob(const_cast<core::DecideState*>(&s),
-                             {static_cast<int64_t>(sizeof s)}, at::kByte));
-  loss_scale_ = at::from_blob(state_.data_ptr<uint8_t>() + offsetof(core::DecideState, scale) +
-                                  offsetof(core::LossScaleState, scale),
-                              {}, at::TensorOptions().dtype(at::kDouble).device(device));
+  UploadedState up = upload_state(detector.state_for(world), device);  // the host's, as it is
+  rings_ = std::move(up.rings);
+  state_ = std::move(up.state);
+  loss_scale_ = std::move(up.loss_scale);
   const bool pinned = device.is_cuda();
   for (auto& slot : slots_) {
     slot = std::make_unique<Slot>(device.type());
@@ -199,8 +206,10 @@ bool device_decides(const Config& c, const UpdatePath& u) {
       return true;
     case DeviceDecisionMode::kAuto: break;
   }
+  // skip.exchange = "record" with the per-tensor policies: the host, which has their record form
+  const bool record_on_host = c.skip.exchange == Exchange::kRecord && tensor_policies_on(c.skip);
   return u.on_gpu && u.takes_found_inf && device_decision_blocker(c).empty() &&
-         host_decides_because(u).empty() && c.skip.exchange != Exchange::kRecord;
+         host_decides_because(u).empty() && !record_on_host;
 }
 
 std::string host_decides_because(const UpdatePath& u) {

@@ -62,6 +62,13 @@ struct TensorStart {
   std::vector<double> thresholds;
 };
 
+// A host state on the device: its rings in one copy, the struct pointing at them, and a 0-dim
+// fp64 view of its loss scale (what the next step's loss is multiplied by).
+struct UploadedState {
+  at::Tensor rings, state, loss_scale;
+};
+UploadedState upload_state(const HostDecideState& host, c10::Device device);
+
 class DeviceDecision {
  public:
   // Starts from the host's state (after a resume: the checkpoint's windows, guards, loss scale,

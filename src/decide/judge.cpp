@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace lockstep {
@@ -34,22 +35,50 @@ StepJudge::StepJudge(const Config& c, const SkipConfig& skip, std::vector<NamedT
       tensors_(c.skip, std::move(tensors), comm),
       explainer_(c.skip, c.diagnostics.top_params, where.rank, std::move(grads),
                  std::move(where.host), std::move(where.device), std::move(where.loop)),
-      world_(where.world) {}
+      world_(where.world),
+      rank_(where.rank) {}
 
-void StepJudge::start_device(c10::Device device) {
-  device_ = std::make_unique<DeviceDecision>(device, world_, detector_, tensors_.device_start());
+void StepJudge::start_device(c10::Device device, Comm* comm) {
+  if (detector_.own_only()) record_device_ = std::make_unique<DeviceRecord>(device, detector_, comm);
+  else device_ = std::make_unique<DeviceDecision>(device, world_, detector_, tensors_.device_start());
 }
 
-DeviceDecision::Update StepJudge::decide_on_device(const at::Tensor& table, int64_t step) {
-  return device_->decide(table, step);
+DeviceDecision::Update StepJudge::decide_on_device(const at::Tensor& t, int64_t step) {
+  if (!record_device_) return device_->decide(t, step);
+  const DeviceRecord::Update u = record_device_->decide(t, step);
+  return {u.found_inf, u.grad_scale, {}, {}};
 }
 
 StepJudge::Checked StepJudge::read(int64_t step) {
+  if (record_device_) return read_record(step);
   if (!device_) throw std::invalid_argument("read: nothing was decided on the device");
   const DeviceDecision::Readback late = device_->read(step);
   Checked out{detector_.decide(late.table), late.table, late.waited};
   tensors_.mirror(step, late, out.verdict);  // per tensor
   expect_same_decision(step, out.verdict, out.verdict.clip, late);
+  const auto r = static_cast<size_t>(rank_);
+  out.seconds = r < late.table.size() ? late.table[r].compute_seconds : 0;
+  out.all_measured = std::all_of(late.table.begin(), late.table.end(),
+                                 [](const RankStats& x) { return x.compute_seconds > 0; });
+  return out;
+}
+
+StepJudge::Checked StepJudge::read_record(int64_t step) {
+  const DeviceRecord::Readback late = record_device_->read(step);
+  const core::DecideState& s = detector_.host_state().s;  // the device's before this step
+  core::DecideResult r{};
+  core::score_record(late.record, world_, late.below, s, detector_.config(), core::BeforeSync{},
+                     r);
+  Checked out{detector_.decide_own(r, late.mine), {}, late.waited};
+  DeviceDecision::Readback device;
+  device.result = late.result;
+  device.found_inf = late.found_inf;
+  device.grad_scale = late.grad_scale;
+  expect_same_decision(step, out.verdict, out.verdict.clip, device);
+  out.seconds = late.mine.compute_seconds;
+  out.all_measured = late.record.sums.unmeasured == 0;
+  out.mine = late.mine;
+  out.own = core::own_finding(reinterpret_cast<const double*>(&late.mine), s, detector_.config());
   return out;
 }
 
@@ -102,6 +131,7 @@ void StepJudge::load_state(const nlohmann::json& detector, const nlohmann::json&
     tensors_.load_state(detector.at("tensors"));
   detector_.load_loss_scale(loss_scale);
   device_.reset();  // a device decision starts again from the host's state
+  record_device_.reset();
 }
 
 }  // namespace lockstep

@@ -15,6 +15,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,7 @@
 
 #include "decide/detector.h"
 #include "decide/device_decision.h"
+#include "decide/device_record.h"
 #include "decide/tensor_policies.h"
 #include "diag/event.h"
 #include "diag/explain.h"
@@ -63,17 +65,28 @@ class StepJudge {
     return detector_.decide(table, triage);
   }
 
-  // The device decision, from the host's state as it is now (after a resume: the checkpoint's).
-  void start_device(c10::Device device);
-  bool on_device() const { return device_ != nullptr; }
-  // The device's loss scale for the next step's loss (device_decision.h).
-  const at::Tensor& device_loss_scale() const { return device_->loss_scale(); }
-  DeviceDecision::Update decide_on_device(const at::Tensor& table, int64_t step);
-  // The host's own verdict of a device-decided step, checked against the device's.
+  // The device decision, from the host's state as it is now (after a resume: the checkpoint's):
+  // the record form's (device_record.h; `comm` its collectives) when the detector keeps its
+  // own windows only, else the table's (device_decision.h).
+  void start_device(c10::Device device, Comm* comm = nullptr);
+  bool on_device() const { return device_ != nullptr || record_device_ != nullptr; }
+  // The device's loss scale for the next step's loss.
+  const at::Tensor& device_loss_scale() const {
+    return record_device_ ? record_device_->loss_scale() : device_->loss_scale();
+  }
+  // `t`: the gathered table, or in the record form this rank's row.
+  DeviceDecision::Update decide_on_device(const at::Tensor& t, int64_t step);
+  // The host's own verdict of a device-decided step, checked against the device's. The record
+  // form names nobody yet: its `table` is empty, and `mine` and `own` (this rank's row and
+  // finding) go with the rows gathered for the names (decide/record.h: name_by_record).
   struct Checked {
     Verdict verdict;
     std::vector<RankStats> table;
-    double waited = 0;  // seconds the host blocked on the device's copy
+    double waited = 0;           // seconds the host blocked on the device's copy
+    double seconds = 0;          // this rank's compute; did every rank measure its?
+    bool all_measured = false;
+    std::optional<RankStats> mine;
+    core::RankFinding own{};
   };
   Checked read(int64_t step);
 
@@ -100,11 +113,15 @@ class StepJudge {
   void load_state(const nlohmann::json& detector, const nlohmann::json& loss_scale);
 
  private:
+  Checked read_record(int64_t step);
+
   SkipDetector detector_;
   TensorPolicies tensors_;
   Explainer explainer_;
   int world_;
   std::unique_ptr<DeviceDecision> device_;
+  std::unique_ptr<DeviceRecord> record_device_;
+  int rank_;
   std::unique_ptr<JsonlWriter> events_;
   std::string events_path_;
   std::function<void(const std::string&)> warn_;

@@ -75,22 +75,33 @@ RecordVerdict decide_by_record(const SkipDetector& detector, const RankStats& mi
   RecordVerdict out;
   out.verdict = detector.decide_own(st.result, mine);
   out.all_measured = st.record.sums.unmeasured == 0;
-  if (!SkipDetector::needs_table(out.verdict)) return out;
-  // A step to explain: every rank's row and own finding, for the names.
-  std::vector<double> mine_named(row_of(mine), row_of(mine) + core::kStatsDoubles);
-  mine_named.insert(mine_named.end(), {static_cast<double>(st.own.reasons),
-                                       st.own.samples ? 1.0 : 0.0, st.own.grad_norm_z,
-                                       st.own.loss_z});
+  if (SkipDetector::needs_table(out.verdict))
+    out.table = name_by_record(detector, out.verdict, mine, st.own, comm);
+  return out;
+}
+
+std::vector<RankStats> name_by_record(const SkipDetector& detector, Verdict& v,
+                                      const RankStats& mine, const core::RankFinding& own,
+                                      Comm* comm) {
+  std::vector<double> named(row_of(mine), row_of(mine) + core::kStatsDoubles);
+  named.insert(named.end(), {static_cast<double>(own.reasons), own.samples ? 1.0 : 0.0,
+                             own.grad_norm_z, own.loss_z});
+  std::vector<RankStats> table;
   std::vector<core::RankFinding> findings;
-  for (const auto& q : all_gather_values(comm, mine_named)) {
+  for (const auto& q : all_gather_values(comm, named)) {
     RankStats r;
     std::memcpy(static_cast<void*>(&r), q.data(), sizeof r);
-    out.table.push_back(r);
+    table.push_back(r);
     const double* f = q.data() + core::kStatsDoubles;
     findings.push_back({static_cast<uint32_t>(f[0]), f[1] != 0, f[2], f[3]});
   }
-  detector.name(out.verdict, out.table, findings);
-  return out;
+  detector.name(v, table, findings);
+  return table;
+}
+
+void name_by_record(const SkipDetector& detector, StepJudge::Checked& late, Comm* comm) {
+  if (late.mine && SkipDetector::needs_table(late.verdict))
+    late.table = name_by_record(detector, late.verdict, *late.mine, late.own, comm);
 }
 
 nlohmann::json record_state(const StepJudge& judge, Comm* comm) {

@@ -9,6 +9,7 @@
 //
 //   score_by_record     the exchange and the step's result (the state unchanged)
 //   decide_by_record    the trainer's verdict, named on a step to explain (skip.exchange)
+//   name_by_record      the names: every rank's row and own finding, gathered
 //   record_state        the checkpoint's windows: every rank's own, gathered at the save
 //   RecordDecider       a state and the decision alone (lockstep bench decision / agree)
 #pragma once
@@ -52,6 +53,15 @@ struct RecordVerdict {
   bool all_measured = false;     // every rank measured its compute time (stragglers)
 };
 RecordVerdict decide_by_record(const SkipDetector& detector, const RankStats& mine, Comm* comm);
+// A step to explain: every rank's row and own finding gathered (`own`: this rank's), the names
+// added to `v` (SkipDetector::name); returns the rows, in rank order. The device's record form
+// reads its verdict a step later and names it here too.
+std::vector<RankStats> name_by_record(const SkipDetector& detector, Verdict& v,
+                                      const RankStats& mine, const core::RankFinding& own,
+                                      Comm* comm);
+// The same for a device-decided step read a step later (`late.mine` set: the record form), when
+// it has something to explain: its table then holds the rows.
+void name_by_record(const SkipDetector& detector, StepJudge::Checked& late, Comm* comm);
 
 // The judge's state as the table form saves it (every rank's own windows, gathered; every rank
 // calls it at the save). The table form's: judge.state() itself.

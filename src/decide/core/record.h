@@ -181,4 +181,20 @@ LOCKSTEP_HD inline void record_own(DecideState& own, const DecideConfig& c, cons
   record_rank_values(own, c, r, 0, rank_values(row, r.loss_scale));
 }
 
+// The device's form, in three kernels of one thread around the collectives: this rank's part
+// (nothing dropped before the sync there), then its part of the cross-rank count (always
+// counted on the device: a decision never waits for the host to ask), then the step and this
+// rank's own windows. No work grows with the world.
+LOCKSTEP_HD inline void record_contribute(const double* row, const DecideState& own,
+                                          const DecideConfig& c, StepRecord& out) {
+  record_contribution(row, false, own_finding(row, own, c), out);
+}
+LOCKSTEP_HD inline void decide_record_step(const StepRecord& all, int world, int64_t below,
+                                           const double* row, DecideState& s,
+                                           const DecideConfig& c, DecideResult& out,
+                                           float* found_inf, float* grad_scale) {
+  decide_record(all, world, below, s, c, out, found_inf, grad_scale);
+  record_own(s, c, row, false, out);  // an abort's result enters nothing
+}
+
 }  // namespace lockstep::core
