@@ -26,7 +26,7 @@ runs="$out/runs"
 plan=(
   "build|110|configure and build lockstep, lockstep-run and lockstep_gpu_tests; the PyTorch package then builds in the background (nice, 4 jobs) for the guard stage"
   "smoke|45|every gpu test in its own process, 4 at a time: the check, decision and per-tensor kernels that never ran on a GPU; a test that fails or does not run fails the run"
-  "decide|100|the device-decided against the host-decided step: AdaGC + moment reset (the per-tensor kernels) first, fp16 dynamic, bf16 + overlap, fp32, bf16, then the 152 M GPT; ms/step, host ms waited, parameters crc32 (a mismatch fails the run)"
+  "decide|100|the device-decided against the host-decided step: AdaGC + moment reset (the per-tensor kernels, the table form) first, fp16 dynamic, bf16 + overlap, fp32 (the record form's kernels, the default), fp32 with skip.exchange = table, then the 152 M GPT; ms/step, host ms waited, parameters crc32 (a mismatch fails the run)"
   "peer|90|PyTorch on the same GPT (eager, torch.compile) and Llama (eager) against lockstep: tok/s and the ratios"
   "syncs|35|host syncs of a clean step: c10's sync-debug count (30-step run minus 10-step run) and the milliseconds the host waited"
   "fsdp|55|fsdp + full recomputation: the 0.76 B Llama at 16 x 8192 tokens (refused without recomputation) and the peer stage's Llama shape"
@@ -232,7 +232,7 @@ decide_configs=(
   "fp16-dynamic|8|150|--training.mixed_precision_param float16 --training.loss_scale dynamic"
   "bf16-overlap|8|150|--training.mixed_precision_param bfloat16 --parallelism.overlap true"
   "fp32|8|150|"
-  "bf16|8|150|--training.mixed_precision_param bfloat16"
+  "fp32-table|8|150|--skip.exchange table"
   "gpt-152m|10|20|${gpt[*]}")
 for entry in "${decide_configs[@]}"; do
   IFS='|' read -r name cap steps args <<<"$entry"

@@ -1,8 +1,10 @@
-// The decision's shared core as the device kernel (kernels/decide_step.cu) against the
-// same code on the host: every number, the outcome, found_inf, grad_scale, and the windows,
-// guards and loss scale each step advances, bit for bit; an abort stays sticky on the device;
-// the per-tensor policies' kernel (AdaGC's factors, SPAM's resets, the thresholds) after it, and
-// the kernel that applies them, bit for bit against their host forms. Labelled `gpu`. LOCKSTEP_TEST_STEPS shortens the runs (launch/gpu_check.sh's sanitizers: the
+// The decision's shared core as the device kernels (kernels/decide_step.cu) against the same
+// code on the host: every number, the outcome, found_inf, grad_scale, and the windows, guards
+// and loss scale each step advances, bit for bit; an abort stays sticky on the device; the
+// record form's three kernels (each rank's part, its part of the count, the step and its own
+// windows) likewise; the per-tensor policies' kernel (AdaGC's factors, SPAM's resets, the
+// thresholds) after it, and the kernel that applies them, bit for bit against their host forms.
+// Labelled `gpu`. LOCKSTEP_TEST_STEPS shortens the runs (launch/gpu_check.sh's sanitizers: the
 // bits are still compared, the counts of each path are not).
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <random>
@@ -17,8 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "decide/core/record.h"
 #include "decide/core/step.h"
 #include "decide/core/tensors.h"
+#include "decide/verdict.h"
 #include "detector_util.h"
 #include "kernels/decide_step.h"
 #include "kernels/tensor_actions.h"
@@ -206,7 +211,143 @@ Counts expect_kernel_is_host(int world, core::GlobalSpike on_global_spike) {
   return n;
 }
 
+// One rank's own state in the record form on the host and its twin on the device.
+struct OwnState {
+  std::vector<double> host_rings;
+  core::DecideState host{};
+  double* rings = nullptr;
+  core::DecideState* dev = nullptr;
+  OwnState() {
+    rings = device_doubles(core::decide_state_doubles(kWindow, kFractionWindow, 1));
+    void* p = nullptr;
+    ok(cudaMalloc(&p, sizeof(core::DecideState)));
+    dev = static_cast<core::DecideState*>(p);
+    restart();
+  }
+  ~OwnState() {
+    cudaFree(rings);
+    cudaFree(dev);
+  }
+  OwnState(const OwnState&) = delete;
+  OwnState& operator=(const OwnState&) = delete;
+  void restart() {
+    host_rings.assign(core::decide_state_doubles(kWindow, kFractionWindow, 1), 0.0);
+    host = core::fresh_decide_state(host_rings.data(), kWindow, kFractionWindow, 1, 1024);
+    const core::DecideState d = core::fresh_decide_state(rings, kWindow, kFractionWindow, 1, 1024);
+    ok(cudaMemcpy(dev, &d, sizeof d, cudaMemcpyHostToDevice));
+    ok(cudaMemcpy(rings, host_rings.data(), host_rings.size() * sizeof(double),
+                  cudaMemcpyHostToDevice));
+  }
+  std::vector<double> device_rings() const {
+    std::vector<double> out(host_rings.size());
+    ok(cudaMemcpy(out.data(), rings, out.size() * sizeof(double), cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+template <class T>
+T* device_of(const T& v) {
+  void* p = nullptr;
+  ok(cudaMalloc(&p, sizeof v));
+  ok(cudaMemcpy(p, &v, sizeof v, cudaMemcpyHostToDevice));
+  return static_cast<T*>(p);
+}
+
+template <class T>
+T host_of(const T* p) {
+  T v;
+  ok(cudaMemcpy(&v, p, sizeof v, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// The record form's three kernels for `world` ranks (each with its own state), the collectives
+// done on the host between them: the same records, counts, results, flags and own windows as
+// the host form, bit for bit, step by step. Returns the skips and aborts seen.
+Counts expect_record_kernels_are_host(int world) {
+  core::DecideConfig config{{true, 40, 6, 6}, 8, 1.0, {true, true, 2, 0.5, 7}, 20, 128,
+                            2, 0.1, kFractionWindow};
+  config.on_global_spike = core::kSpikeClip;
+  std::vector<OwnState> ranks(static_cast<size_t>(world));
+  double* row = device_doubles(core::kStatsDoubles);
+  core::StepRecord* rec = device_of(core::StepRecord{});
+  int64_t* below = device_of(int64_t{0});
+  core::DecideResult* result = device_of(core::DecideResult{});
+  auto* flags = reinterpret_cast<float*>(device_of(std::array<float, 2>{}));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  std::mt19937_64 rng(11);
+  Counts n;
+  for (int step = 1; step <= steps_per_run() && !::testing::Test::HasFailure(); ++step) {
+    const auto t = test::random_step(rng, world, ranks[0].host.scale.scale);
+    const auto row_of = [&](int r) { return rows_of(t) + r * core::kStatsDoubles; };
+    core::StepRecord all{};
+    for (int r = 0; r < world; ++r) {
+      ok(cudaMemcpy(row, row_of(r), core::kStatsDoubles * sizeof(double), cudaMemcpyHostToDevice));
+      core::StepRecord want{};
+      core::record_contribute(row_of(r), ranks[r].host, config, want);
+      EXPECT_EQ(kernels::launch_record_contribute(row, ranks[r].dev, config, rec, stream), 0);
+      ok(cudaStreamSynchronize(stream));
+      const core::StepRecord got = host_of(rec);
+      EXPECT_EQ(std::memcmp(&got, &want, sizeof got), 0) << "step " << step << ", rank " << r;
+      if (r == 0) all = want;
+      else core::record_combine(all, want);
+    }
+    ok(cudaMemcpy(rec, &all, sizeof all, cudaMemcpyHostToDevice));  // the all-reduces' work
+    int64_t count = 0;
+    for (int r = 0; r < world; ++r) {
+      ok(cudaMemcpy(row, row_of(r), core::kStatsDoubles * sizeof(double), cudaMemcpyHostToDevice));
+      EXPECT_EQ(kernels::launch_record_below(row, rec, below, stream), 0);
+      ok(cudaStreamSynchronize(stream));
+      EXPECT_EQ(host_of(below), core::record_below(row_of(r), all)) << "step " << step;
+      count += core::record_below(row_of(r), all);
+    }
+    ok(cudaMemcpy(below, &count, sizeof count, cudaMemcpyHostToDevice));
+    bool aborted = false;
+    for (int r = 0; r < world; ++r) {
+      ok(cudaMemcpy(row, row_of(r), core::kStatsDoubles * sizeof(double), cudaMemcpyHostToDevice));
+      core::DecideResult want{};
+      float want_flags[2];
+      core::decide_record_step(all, world, count, row_of(r), ranks[r].host, config, want,
+                               &want_flags[0], &want_flags[1]);
+      EXPECT_EQ(kernels::launch_decide_record(rec, world, below, row, ranks[r].dev, config,
+                                              result, flags, flags + 1, stream),
+                0);
+      ok(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(same(host_of(result), want)) << "step " << step << ", rank " << r;
+      float got_flags[2];
+      ok(cudaMemcpy(got_flags, flags, sizeof got_flags, cudaMemcpyDeviceToHost));
+      EXPECT_EQ(std::memcmp(got_flags, want_flags, sizeof got_flags), 0) << "step " << step;
+      EXPECT_EQ(ranks[r].device_rings(), ranks[r].host_rings) << "step " << step << ", rank " << r;
+      if (r == 0) {
+        n.skips += want.outcome == core::kSkipStep;
+        n.clips += want.clipped;
+      }
+      aborted = aborted || want.outcome == core::kAbortRun;
+    }
+    if (aborted) {
+      ++n.aborts;
+      for (OwnState& o : ranks) o.restart();
+    }
+  }
+  for (void* q : {static_cast<void*>(row), static_cast<void*>(rec), static_cast<void*>(below),
+                  static_cast<void*>(result), static_cast<void*>(flags)})
+    cudaFree(q);
+  return n;
+}
+
 }  // namespace
+
+// The record form's kernels (decide/device_record.h) on 3 and 40 ranks' records.
+TEST(DecisionRecordCuda, TheKernelsComputeTheHostsBits) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device visible";
+  for (int world : {3, 40}) {
+    SCOPED_TRACE(std::to_string(world) + " ranks");
+    const Counts c = expect_record_kernels_are_host(world);
+    if (steps_per_run() < 3000) continue;  // the host form gives 103 / 83 / 129 on 3 ranks
+    EXPECT_GT(c.skips, 50);
+    EXPECT_GT(c.clips, 20);
+    EXPECT_GT(c.aborts, 3);
+  }
+}
 
 // 4 ranks (one warp) and 40 (two warps record the ranks' windows), each policy.
 TEST(DecisionCoreCuda, TheKernelComputesTheHostsBits) {

@@ -45,7 +45,8 @@ std::string faulted(int world) {
 
 void expect_same_outcome(const std::string& a, const std::string& b, int world) {
   const auto ta = test::outcome(a, world), tb = test::outcome(b, world);
-  EXPECT_EQ(fmt::format("{}", fmt::join(tb.losses, " ")), fmt::format("{}", fmt::join(ta.losses, " ")))
+  EXPECT_EQ(fmt::format("{}", fmt::join(tb.losses, " ")),
+            fmt::format("{}", fmt::join(ta.losses, " ")))
       << "the logged losses (NaN where not finite)";
   EXPECT_EQ(tb.crcs, ta.crcs) << "the weights differ";
   const auto ma = read_jsonl(a + "/metrics.jsonl").back();

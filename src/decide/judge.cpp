@@ -39,8 +39,11 @@ StepJudge::StepJudge(const Config& c, const SkipConfig& skip, std::vector<NamedT
       rank_(where.rank) {}
 
 void StepJudge::start_device(c10::Device device, Comm* comm) {
-  if (detector_.own_only()) record_device_ = std::make_unique<DeviceRecord>(device, detector_, comm);
-  else device_ = std::make_unique<DeviceDecision>(device, world_, detector_, tensors_.device_start());
+  if (detector_.own_only())
+    record_device_ = std::make_unique<DeviceRecord>(device, detector_, comm);
+  else
+    device_ =
+        std::make_unique<DeviceDecision>(device, world_, detector_, tensors_.device_start());
 }
 
 DeviceDecision::Update StepJudge::decide_on_device(const at::Tensor& t, int64_t step) {

@@ -105,9 +105,10 @@ void StragglerWatch::evaluate(Comm* comm) {
   std::vector<double> medians;
   for (const auto& m : all_gather_values(comm, {*mine})) medians.push_back(m[0]);
   slow_ = named(medians, factor_);
-  for (const Straggler& s : slow_)
-    newly_named_ = newly_named_ || std::none_of(before.begin(), before.end(),
-                                                [&s](const Straggler& b) { return b.rank == s.rank; });
+  for (const Straggler& s : slow_) {
+    const auto same = [&s](const Straggler& b) { return b.rank == s.rank; };
+    newly_named_ = newly_named_ || std::none_of(before.begin(), before.end(), same);
+  }
 }
 
 std::vector<Straggler> StragglerWatch::named(const std::vector<double>& own, double factor) {
