@@ -79,9 +79,9 @@ Measured measure(Job& job, RankStep& s, const Triage& t) {
   const bool record = job.judge->detector().own_only();
   const at::Tensor read = record ? row.cpu() : gather_rows(job.comm.get(), row).cpu();
   if (row.is_cuda()) s.costs.wait += seconds_since(start), s.costs.waits += 1;
-  std::vector<RankStats> rows = stats_of(read.reshape({-1, kRankStatsDoubles}));
+  const std::vector<RankStats> rows = stats_of(read.reshape({-1, kRankStatsDoubles}));
   const RankStats mine = rows.at(record ? 0 : static_cast<size_t>(job.ranks.rank));
-  Measured m{std::move(rows), std::nullopt, mine.compute_seconds, all_measured(m.table)};
+  Measured m{rows, std::nullopt, mine.compute_seconds, all_measured(rows)};
   if (record) {
     RecordVerdict v = decide_by_record(job.judge->detector(), mine, job.comm.get());
     m = {std::move(v.table), std::move(v.verdict), mine.compute_seconds, v.all_measured};
