@@ -1165,12 +1165,8 @@ Config load_config(std::string_view toml_text, const std::string& origin,
 }
 
 std::string device_decision_blocker(const Config& c) {
-  if (c.skip.scope != SkipScope::kStep)
-    return fmt::format("skip.scope = \"{}\"", name_of(c.skip.scope));
-  if (c.skip.replay != Replay::kOff)
-    return fmt::format("skip.replay = \"{}\"", name_of(c.skip.replay));
-  if (c.diagnostics.replay_every > 0)
-    return fmt::format("diagnostics.replay_every = {}", c.diagnostics.replay_every);
+  // What reads every rank's row each step blocks both; the lr must not wait for the verdict.
+  if (std::string b = record_exchange_blocker(c); !b.empty()) return b;
   if (c.lr_scheduler.on_skip != OnSkip::kAdvance)
     return fmt::format("lr_scheduler.on_skip = \"{}\"", name_of(c.lr_scheduler.on_skip));
   return "";

@@ -44,18 +44,13 @@ struct Timing {
 // The record every rank holds after the all-reduces of step `table` (the other ranks' findings
 // from the table form's windows, which hold theirs): built outside the timing, as the
 // collective's work, not the decision's.
-core::StepRecord combined_record(const std::vector<RankStats>& table, const core::DecideState& s,
-                                 const core::DecideConfig& c) {
+core::StepRecord combined_record(const std::vector<RankStats>& table,
+                                 const SkipDetector& detector) {
+  const LocalFindings f = detector.local_findings(table);
   core::StepRecord all{};
   for (size_t r = 0; r < table.size(); ++r) {
-    const double* row = rows_of(table) + r * core::kStatsDoubles;
-    const core::Ring g = core::rank_ring(s.ranks, static_cast<int>(r), core::kRankGradNorms);
-    const core::Ring l = core::rank_ring(s.ranks, static_cast<int>(r), core::kRankLosses);
-    const core::RankFinding f = core::rank_finding(
-        row, s.scale.scale, [&g](int64_t i) { return core::ring_at(g, i); }, g.size,
-        [&l](int64_t i) { return core::ring_at(l, i); }, l.size, c.min_history, c.thresholds);
     core::StepRecord mine{};
-    core::record_contribution(row, false, f, mine);
+    core::record_contribution(rows_of(table) + r * core::kStatsDoubles, false, f.ranks[r], mine);
     if (r == 0) all = mine;
     else core::record_combine(all, mine);
   }
@@ -121,7 +116,7 @@ Timing time_world(int world, const DecisionBenchOptions& o) {
   double host_s = 0;
   for (size_t i = 0; i < host.size(); ++i) {
     if (i < kRecords) {
-      records.push_back(combined_record(tables[i % tables.size()], detector.host_state().s, c));
+      records.push_back(combined_record(tables[i % tables.size()], detector));
       belows.push_back(combined_below(tables[i % tables.size()], records.back()));
     }
     const auto start = Clock::now();

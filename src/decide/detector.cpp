@@ -154,6 +154,15 @@ Verdict SkipDetector::verdict_of(const core::DecideResult& r, const HostDecideSt
   return v;
 }
 
+void SkipDetector::add_rank_values(Verdict& v, const std::vector<RankStats>& ranks) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const core::RankValues rv =
+        core::rank_values(rows_of(ranks) + i * core::kStatsDoubles, v.loss_scale);
+    v.rank_grad_norm.push_back(rv.grad_norm);
+    v.rank_loss.push_back(rv.loss);
+  }
+}
+
 Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& triage) const {
   const int world = static_cast<int>(ranks.size());
   std::optional<HostDecideState> other;
@@ -168,12 +177,7 @@ Verdict SkipDetector::decide(const std::vector<RankStats>& ranks, const Triage& 
   core::score_step(rows_of(ranks), world, st.s, config_, before, r);
   Verdict v = verdict_of(r, st);
   if (v.interrupted || v.overflow) return v;  // nothing to name: the step did not happen
-  for (int i = 0; i < world; ++i) {
-    const core::RankValues rv =
-        core::rank_values(rows_of(ranks) + i * core::kStatsDoubles, r.loss_scale);
-    v.rank_grad_norm.push_back(rv.grad_norm);
-    v.rank_loss.push_back(rv.loss);
-  }
+  add_rank_values(v, ranks);
   v.dropped_ranks = triage.dropped;
   v.replays = triage.replays;
   v.cause = triage.cause;
@@ -196,19 +200,9 @@ Verdict SkipDetector::decide_own(const core::DecideResult& r, const RankStats& m
 void SkipDetector::name(Verdict& v, const std::vector<RankStats>& table,
                         const std::vector<core::RankFinding>& findings) const {
   if (v.interrupted || v.overflow) return;
+  add_rank_values(v, table);
   LocalFindings f;
-  for (size_t r = 0; r < table.size(); ++r) {
-    const core::RankValues rv =
-        core::rank_values(rows_of(table) + r * core::kStatsDoubles, v.loss_scale);
-    v.rank_grad_norm.push_back(rv.grad_norm);
-    v.rank_loss.push_back(rv.loss);
-    const core::RankFinding& k = findings[r];
-    f.ranks.push_back(k);
-    f.sample_evidence = f.sample_evidence || k.samples;
-    if (k.reasons == 0) continue;
-    f.outliers.push_back(static_cast<int>(r));
-    f.reasons |= k.reasons;
-  }
+  for (const core::RankFinding& k : findings) f.add(k);
   v.rank_findings = f.ranks;
   attribute(v, table, f, Triage{});
 }

@@ -33,6 +33,7 @@ struct LocalFindings {
   uint32_t reasons = 0;                  // what they showed
   bool sample_evidence = false;          // some outlier holds samples whose loss is nonfinite
   bool local(size_t world) const;        // core::is_local
+  void add(const core::RankFinding& k);  // the next rank's
 };
 
 // What was settled before the gradient sync (skip.scope = "rank", skip.replay): the local
@@ -128,6 +129,8 @@ class SkipDetector {
   std::string guard_message(const core::DecideResult& r, const HostDecideState& st) const;
   // The verdict's numbers from the core's result (decide and decide_own alike).
   Verdict verdict_of(const core::DecideResult& r, const HostDecideState& st) const;
+  // Each rank's own values (unscaled by the verdict's loss scale), in rank order.
+  static void add_rank_values(Verdict& v, const std::vector<RankStats>& ranks);
 
   // local_findings against `st`, the state for the table's world size.
   LocalFindings findings(const std::vector<RankStats>& ranks, const HostDecideState& st) const;

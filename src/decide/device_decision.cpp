@@ -59,6 +59,19 @@ UploadedState upload_state(const HostDecideState& host, c10::Device device) {
   return d;
 }
 
+double await_copies(c10::Event& copied, bool on_gpu, int64_t held, int64_t step,
+                    const char* what) {
+  if (held != step)
+    throw std::logic_error(fmt::format("{}: step {} is not among the last two decided (slot "
+                                       "holds {})",
+                                       what, step, held));
+  if (!on_gpu) return 0;
+  const auto start = std::chrono::steady_clock::now();
+  copied.synchronize();
+  return std::max(
+      1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+}
+
 DeviceDecision::DeviceDecision(c10::Device device, int world, const SkipDetector& detector,
                                const TensorStart& tensors)
     : device_(device),
@@ -165,17 +178,8 @@ DeviceDecision::Update DeviceDecision::decide(const at::Tensor& gathered, int64_
 
 DeviceDecision::Readback DeviceDecision::read(int64_t step) {
   Slot& slot = *slots_[static_cast<size_t>(step % 2)];
-  if (slot.step != step)
-    throw std::logic_error(fmt::format("device decision: step {} is not among the last two "
-                                       "decided (slot holds {})",
-                                       step, slot.step));
   Readback late;
-  if (device_.is_cuda()) {
-    const auto start = std::chrono::steady_clock::now();
-    slot.copied.synchronize();
-    late.waited = std::max(
-        1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
+  late.waited = await_copies(slot.copied, device_.is_cuda(), slot.step, step, "device decision");
   const int64_t world = slot.table_host.size(0);
   late.table.resize(static_cast<size_t>(world));
   static_assert(sizeof(RankStats) == core::kStatsDoubles * sizeof(double));
@@ -218,23 +222,23 @@ std::string host_decides_because(const UpdatePath& u) {
 }
 
 void expect_same_decision(int64_t step, const Verdict& v, double clip,
-                          const DeviceDecision::Readback& device) {
-  const core::DecideResult& r = device.result;
+                          const core::DecideResult& r, float device_found_inf,
+                          float grad_scale) {
   const bool clipped = v.decision == Decision::kClip;
   const core::Outcome host = outcome_of(v.decision);
   const float found_inf = host == core::kTake ? 0.0f : 1.0f;
   // The same bits: the core returns one canonical NaN on every device.
   const bool same_norm = std::memcmp(&r.grad_norm, &v.grad_norm, sizeof(double)) == 0;
   const bool same = r.outcome == host && (r.clipped != 0) == clipped &&
-                    device.found_inf == found_inf && same_norm &&
+                    device_found_inf == found_inf && same_norm &&
                     (host != core::kTake ||
-                     device.grad_scale == static_cast<float>(v.loss_scale / clip));
+                     grad_scale == static_cast<float>(v.loss_scale / clip));
   if (same) return;
   throw Error(ExitCode::kTrainingAborted,
               fmt::format("step {}: the device decided {} (grad_norm {}, grad_scale {}) but the "
                           "host {} (grad_norm {}, clip {}); this is a bug in lockstep: please "
                           "report it; skip.device_decision = \"off\" decides on the host only",
-                          step, static_cast<int>(r.outcome), r.grad_norm, device.grad_scale,
+                          step, static_cast<int>(r.outcome), r.grad_norm, grad_scale,
                           decision_name(v.decision), v.grad_norm, clip));
 }
 

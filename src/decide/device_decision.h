@@ -19,6 +19,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Event.h>
 
 #include <array>
 #include <cstdint>
@@ -68,6 +69,11 @@ struct UploadedState {
   at::Tensor rings, state, loss_scale;
 };
 UploadedState upload_state(const HostDecideState& host, c10::Device device);
+// A slot's copies to the host, read a step after they were started: refuses a slot that holds
+// another step than `step` (`what` names the decision), then waits for the copies on a GPU.
+// Returns the seconds waited (0 on a CPU, at least 1 ns on a GPU).
+double await_copies(c10::Event& copied, bool on_gpu, int64_t held, int64_t step,
+                    const char* what);
 
 class DeviceDecision {
  public:
@@ -121,8 +127,9 @@ class DeviceDecision {
 };
 
 // Throws (exit code 4) when the host's decision of `step` (its verdict and clip) differs from
-// the device's: a bug, named with both numbers.
+// the device's (its result and flags, the table's form or the record's): a bug, named with both
+// numbers.
 void expect_same_decision(int64_t step, const Verdict& v, double clip,
-                          const DeviceDecision::Readback& device);
+                          const core::DecideResult& r, float found_inf, float grad_scale);
 
 }  // namespace lockstep

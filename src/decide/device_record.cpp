@@ -5,8 +5,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
@@ -136,17 +134,8 @@ DeviceRecord::Update DeviceRecord::decide(const at::Tensor& in, int64_t step) {
 
 DeviceRecord::Readback DeviceRecord::read(int64_t step) {
   Slot& slot = *slots_[static_cast<size_t>(step % 2)];
-  if (slot.step != step)
-    throw std::logic_error(fmt::format("device record: step {} is not among the last two "
-                                       "decided (slot holds {})",
-                                       step, slot.step));
   Readback late;
-  if (device_.is_cuda()) {
-    const auto start = std::chrono::steady_clock::now();
-    slot.copied.synchronize();
-    late.waited = std::max(
-        1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
+  late.waited = await_copies(slot.copied, device_.is_cuda(), slot.step, step, "device record");
   std::memcpy(static_cast<void*>(&late.mine), slot.row_host.const_data_ptr<double>(),
               sizeof late.mine);
   std::memcpy(&late.record, slot.ints_host.const_data_ptr<int64_t>(), sizeof late.record);

@@ -31,6 +31,9 @@ std::vector<RankStats> exchange_stats(const RankStats& mine, Comm* comm);
 std::vector<RankStats> exchange_stats(const at::Tensor& row, Comm* comm);
 // The rows of a gathered [W, 9] fp64 table in host memory.
 std::vector<RankStats> stats_of(const at::Tensor& host_table);
+// Whether every rank measured its compute time (RankStats::compute_seconds > 0; the straggler
+// watch leaves a step out otherwise).
+bool all_measured(const std::vector<RankStats>& table);
 
 // Per rank: the sample ids of its batch and their losses.
 struct SampleTable {

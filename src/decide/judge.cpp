@@ -3,8 +3,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <algorithm>
 #include <cmath>
+
+#include "decide/exchange.h"
 
 namespace lockstep {
 
@@ -58,11 +59,11 @@ StepJudge::Checked StepJudge::read(int64_t step) {
   const DeviceDecision::Readback late = device_->read(step);
   Checked out{detector_.decide(late.table), late.table, late.waited};
   tensors_.mirror(step, late, out.verdict);  // per tensor
-  expect_same_decision(step, out.verdict, out.verdict.clip, late);
+  expect_same_decision(step, out.verdict, out.verdict.clip, late.result, late.found_inf,
+                       late.grad_scale);
   const auto r = static_cast<size_t>(rank_);
   out.seconds = r < late.table.size() ? late.table[r].compute_seconds : 0;
-  out.all_measured = std::all_of(late.table.begin(), late.table.end(),
-                                 [](const RankStats& x) { return x.compute_seconds > 0; });
+  out.all_measured = all_measured(late.table);
   return out;
 }
 
@@ -73,11 +74,8 @@ StepJudge::Checked StepJudge::read_record(int64_t step) {
   core::score_record(late.record, world_, late.below, s, detector_.config(), core::BeforeSync{},
                      r);
   Checked out{detector_.decide_own(r, late.mine), {}, late.waited};
-  DeviceDecision::Readback device;
-  device.result = late.result;
-  device.found_inf = late.found_inf;
-  device.grad_scale = late.grad_scale;
-  expect_same_decision(step, out.verdict, out.verdict.clip, device);
+  expect_same_decision(step, out.verdict, out.verdict.clip, late.result, late.found_inf,
+                       late.grad_scale);
   out.seconds = late.mine.compute_seconds;
   out.all_measured = late.record.sums.unmeasured == 0;
   out.mine = late.mine;

@@ -5,6 +5,7 @@
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -44,6 +45,11 @@ at::Tensor rank_row(const at::Tensor& local, const at::Tensor& shard, const at::
   f[core::kBadSamples] = bad.reshape({1});
   f[core::kComputeSeconds] = at::full({1}, compute_seconds, o);
   return at::cat(f);
+}
+
+bool all_measured(const std::vector<RankStats>& table) {
+  return std::all_of(table.begin(), table.end(),
+                     [](const RankStats& r) { return r.compute_seconds > 0; });
 }
 
 std::vector<RankStats> stats_of(const at::Tensor& table) {

@@ -11,6 +11,15 @@ bool LocalFindings::local(size_t world) const {
                         sample_evidence);
 }
 
+void LocalFindings::add(const core::RankFinding& k) {
+  const auto r = static_cast<int>(ranks.size());
+  ranks.push_back(k);
+  sample_evidence = sample_evidence || k.samples;
+  if (k.reasons == 0) return;
+  outliers.push_back(r);
+  reasons |= k.reasons;
+}
+
 LocalFindings SkipDetector::local_findings(const std::vector<RankStats>& ranks) const {
   const int world = static_cast<int>(ranks.size());
   if (state_.world == world) return findings(ranks, state_);
@@ -29,11 +38,7 @@ LocalFindings SkipDetector::findings(const std::vector<RankStats>& ranks,
         [&g](int64_t i) { return core::ring_at(g, i); }, g.size,
         [&l](int64_t i) { return core::ring_at(l, i); }, l.size, config_.min_history,
         config_.thresholds);
-    f.ranks.push_back(k);
-    f.sample_evidence = f.sample_evidence || k.samples;
-    if (k.reasons == 0) continue;
-    f.outliers.push_back(r);
-    f.reasons |= k.reasons;
+    f.add(k);
   }
   return f;
 }

@@ -9,15 +9,6 @@
 
 namespace lockstep {
 
-double compute_time(const std::vector<RankStats>& table, int rank) {
-  return rank < static_cast<int>(table.size()) ? table[static_cast<size_t>(rank)].compute_seconds
-                                               : 0;
-}
-
-bool all_measured(const std::vector<RankStats>& table) {
-  return std::all_of(table.begin(), table.end(),
-                     [](const RankStats& r) { return r.compute_seconds > 0; });
-}
 
 namespace {
 

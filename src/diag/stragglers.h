@@ -44,10 +44,6 @@ class ComputeClock {
   std::unique_ptr<Events> events_;  // GPU only
 };
 
-// This rank's compute seconds in a stats table, and whether every rank measured its compute.
-double compute_time(const std::vector<RankStats>& table, int rank);
-bool all_measured(const std::vector<RankStats>& table);
-
 struct Straggler {
   int rank = 0;
   double ratio = 0;  // its median compute time over the window / the other ranks' median
