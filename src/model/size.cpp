@@ -120,7 +120,10 @@ double state_bytes_per_rank(const ModelSize& size, const Config& c, ParallelMode
   const double tied = size.tied_head > 0 ? static_cast<double>(size.embedding) * p : 0;
   const double accumulating = static_cast<double>(largest_unit(size)) * p;
   const double passing = gathered * p + tied + (overlap ? accumulating + gathered * r : 0);
-  return (grads + spread / static_cast<double>(world)) * n + passing + largest;
+  // One rank reducing in its own dtype: the reduced shard is the gradient buffer.
+  const bool reduce_in_p = r16 ? t.mixed_precision_param == Precision::kBFloat16 : !p16;
+  const double alone = world == 1 && reduce_in_p ? r : 0;
+  return (grads - alone + spread / static_cast<double>(world)) * n + passing + largest;
 }
 
 std::string bytes_text(double b) {

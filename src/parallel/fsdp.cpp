@@ -255,6 +255,9 @@ class Fsdp final : public DataParallel, public UnitHooks {
   void refresh_param_shard() {
     if (param_shard_.defined()) param_shard_.copy_(master_);
   }
+  // One rank whose gradients are reduced in their own dtype: the reduced shard is the
+  // gradient buffer (units lie back to back, unpadded).
+  bool alone() const { return world_ == 1 && reduce_dtype_ == param_dtype_; }
 
   void allocate_gradient(Unit& x);
   void drop_gradient(Unit& x);
@@ -338,7 +341,9 @@ std::vector<AdamWParam> Fsdp::build(const Units& units, UnitSink* sink) {
   exp_avg_ = at::zeros({shard}, fp32);
   exp_avg_sq_ = at::zeros({shard}, fp32);
   if (!overlap_) {
-    flat_grad_ = returnable_zeros(padded, options.dtype(param_dtype_));
+    // One rank's reduce-scatter is the identity: its shard is the whole gradient buffer, so
+    // fsdp on one rank holds one gradient, as ddp does (issue 39: it held two, 1.2x ddp).
+    flat_grad_ = alone() ? grad_shard_ : returnable_zeros(padded, options.dtype(param_dtype_));
     reduce_ = reduce_dtype_ == param_dtype_ ? flat_grad_ : at::zeros({padded}, options.dtype(reduce_dtype_));
   }
   const at::Tensor opt_grads = opt_grad_.defined() ? opt_grad_ : grad_shard_;
@@ -492,8 +497,13 @@ void Fsdp::reduce_scatter(int u, const at::Tensor& unit_grad) {
   if (send.scalar_type() != reduce_dtype_) send = unit_grad.to(reduce_dtype_);
   std::unique_ptr<CommWork> work;
   at::Tensor out = grad_shard_.narrow(0, x.shard_at, x.block);
-  if (comm_) work = comm_->reduce_scatter_sum_async(send, out);
-  else out.copy_(send);
+  if (alone()) {
+    // the buffer is its own result
+  } else if (comm_) {
+    work = comm_->reduce_scatter_sum_async(send, out);
+  } else {
+    out.copy_(send);
+  }
   if (overlap_ && !send.is_same(unit_grad)) {  // only the staged copy stays until it lands
     x.grad = send;
     drop_gradient(x);
