@@ -15,8 +15,13 @@
 #include <string>
 #include <vector>
 
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "check/gradcheck.h"
+#include "comm/c10d.h"
 #include "decide/exchange.h"
+#include "decide/record.h"
 #include "decide/judge.h"
 #include "decide/names.h"
 #include "diag/event.h"
@@ -70,6 +75,29 @@ at::Tensor table_of(const std::vector<RankStats>& rows) {
   return t;
 }
 
+// The guard's exchange group (torch.distributed's, found by its registered name) as the trainer's
+// Comm: its Gloo backend on the host, or its NCCL backend on `stage` (a GPU), each collective
+// under `timeout` seconds.
+std::unique_ptr<Comm> comm_of_group(const std::string& group_name, const std::string& stage,
+                                    double timeout) {
+  const c10::intrusive_ptr<c10d::ProcessGroup> pg = c10d::resolve_process_group(group_name);
+  const c10::Device device(stage);
+  C10dGroup g{pg->getBackend(device.type()), "gloo", c10::Device(c10::kCPU), {}, to_ms(timeout),
+              pg->getRank(), pg->getSize()};
+  if (device.is_cuda()) {
+    g.name = "nccl";
+    g.stage = device;
+    g.barrier.device_ids = {device.index()};
+    g.host_waits = false;  // the stream waits; NCCL's watchdog bounds a hang (comm/c10d.h)
+  }
+  return comm_over(std::move(g));
+}
+
+// The one row of this rank ([9] fp64, any device) on the host.
+RankStats row_of(const at::Tensor& row) {
+  return rows_of(row.reshape({1, -1}), 1).at(0);
+}
+
 // This rank's side of a decided step, as the trainer's RankStep holds it.
 struct LocalStep {
   double loss = 0;
@@ -81,7 +109,9 @@ struct LocalStep {
 // The guard's core: the config read by lockstep's reader and the harness's StepJudge (the host
 // decision, which also names what the device decided and keeps the checkpointed state; the
 // device decision for a fused Adam/AdamW; the per-tensor policies; the events), with the run's
-// counters. The guard exchanges the rows and the per-tensor sums itself (no Comm here).
+// counters. The table form: the guard exchanges the rows and the per-tensor sums itself. The
+// record form (exchange_over): the harness's own record exchange (decide/record.h) runs over the
+// guard's exchange group, and this rank's detector keeps its own windows only.
 class Core {
  public:
   Core(const std::string& toml_text, const std::string& origin,
@@ -91,13 +121,24 @@ class Core {
       : config_(load_config(toml_text, origin, overrides)),
         world_(world),
         n_tensors_(static_cast<int64_t>(names.size())),
-        judge_(config_, config_.skip, unnamed(names), names, nullptr,
-               StepJudge::Where{rank, world, host, device, "pytorch"}),
+        names_(std::move(names)),
+        where_{rank, world, host, device, "pytorch"},
         run_dir_(run_dir) {
     counters_.world_size = world;
-    if (!run_dir.empty())  // the file appears with its first event
-      judge_.open_events(fmt::format("{}/diagnostics/rank{}.jsonl", run_dir, rank),
-                         [](const std::string& w) { warn(w); });
+    judge_ = make_judge();
+  }
+
+  // skip.exchange for the guard's path: the record form where the trainer would take it (and
+  // the per-tensor policies are off: their sums ride in the table), over the exchange group
+  // `group_name` (`stage`: "cpu" for Gloo, the GPU for NCCL). Called once, before any step;
+  // returns whether the guard exchanges records.
+  bool exchange_over(const std::string& group_name, const std::string& stage, bool on_device) {
+    if (world_ == 1 || !exchanges_record(config_, on_device) || judge_->tensors().active())
+      return false;
+    comm_ = comm_of_group(group_name, stage, config_.comm.train_timeout_seconds);
+    where_.record_form = true;
+    judge_ = make_judge();
+    return true;
   }
 
   std::string config_json() const { return to_json(config_); }
@@ -109,26 +150,37 @@ class Core {
   }
 
   // The host decision of a step from the all-gathered table ([W, 9]).
-  Verdict decide(const at::Tensor& table) const { return judge_.decide(rows_of(table, world_)); }
+  Verdict decide(const at::Tensor& table) const { return judge_->decide(rows_of(table, world_)); }
+
+  // The record form's host decision from this rank's row ([9] fp64): the verdict and the rows
+  // gathered for its names ([W, 9], or [0, 9] on a step with nothing to explain).
+  std::pair<Verdict, at::Tensor> decide_record(const at::Tensor& row) {
+    RecordVerdict r = decide_by_record(judge_->detector(), row_of(row), comm_.get());
+    return {std::move(r.verdict), table_of(r.table)};
+  }
 
   // The device decision of `step` (its own state, uploaded from the host's at the first call):
   // found_inf and grad_scale on the table's device, for the fused optimizer; with the
   // per-tensor policies (the table's rows then end with each rank's per-tensor sums) each
   // tensor's factor and reset flag there too (else None).
   py::tuple decide_on_device(const at::Tensor& table, int64_t step) {
-    expect_table(table, "the stats table", world_,
-                 kRankStatsDoubles + (judge_.tensors().active() ? n_tensors_ : 0));
-    if (!judge_.on_device()) judge_.start_device(table.device());
-    const DeviceDecision::Update u = judge_.decide_on_device(table, step);
+    if (comm_)  // the record form: this rank's row
+      expect_table(table.reshape({1, -1}), "this rank's row", 1, kRankStatsDoubles);
+    else
+      expect_table(table, "the stats table", world_,
+                   kRankStatsDoubles + (judge_->tensors().active() ? n_tensors_ : 0));
+    if (!judge_->on_device()) judge_->start_device(table.device(), comm_.get());
+    const DeviceDecision::Update u = judge_->decide_on_device(table, step);
     if (!u.factors.defined()) return py::make_tuple(u.found_inf, u.grad_scale, py::none(), py::none());
     return py::make_tuple(u.found_inf, u.grad_scale, u.factors, u.resets);
   }
 
   // What the device decided at `step` (one of the last two), decided again on the host from
   // the same table (the per-tensor part too); they must agree bit for bit (else an error
-  // naming both).
+  // naming both). The record form gathers the rows for the names on a step to explain.
   std::pair<Verdict, at::Tensor> read_device(int64_t step) {
-    StepJudge::Checked late = judge_.read(step);
+    StepJudge::Checked late = judge_->read(step);
+    if (comm_) name_by_record(judge_->detector(), late, comm_.get());
     return {std::move(late.verdict), table_of(late.table)};
   }
 
@@ -146,21 +198,23 @@ class Core {
     check_sample_table({{mine.sample_ids}, {mine.sample_losses}});
     expect_stats(mine.local_stats, "local_stats", n_tensors_);
     expect_stats(mine.shard_stats, "shard_stats", n_tensors_);
-    const std::vector<RankStats> rows = rows_of(table, world_);
+    // The record form gathers no rows on a clean step (nor on one cut short: nothing to name).
+    const std::vector<RankStats> rows =
+        comm_ && table.numel() == 0 ? std::vector<RankStats>{} : rows_of(table, world_);
     std::string message;
     if (v.anomalous()) {
-      const Event e = judge_.explain(counters_, rank_step(mine), v, rows, samples, lr, tokens,
+      const Event e = judge_->explain(counters_, rank_step(mine), v, rows, samples, lr, tokens,
                                      counters_.data_position);
       message = v.decision == Decision::kAbort
                     ? abort_message(e, "the guard saves nothing: your last checkpoint stands",
                                     run_dir_or_placeholder())
                     : skip_message(e);
     }
-    judge_.record(counters_, v, tokens, counters_.data_position);
+    judge_->record(counters_, v, tokens, counters_.data_position);
     return message;
   }
 
-  bool tensors_active() { return judge_.tensors().active(); }
+  bool tensors_active() { return judge_->tensors().active(); }
 
   // The per-tensor policies (skip.adaptive_clip = "adagc", skip.spike_moment_reset) of the
   // decided step `v`, from every rank's per-tensor partial sums ([W, tensors] fp64, exchanged
@@ -169,7 +223,7 @@ class Core {
   std::pair<std::vector<double>, std::vector<bool>> decide_tensors(const at::Tensor& sums,
                                                                    Verdict& v) {
     expect_table(sums, "the per-tensor sums", world_, n_tensors_);
-    TensorPolicies& tensors = judge_.tensors();
+    TensorPolicies& tensors = judge_->tensors();
     const TensorActions a = tensors.decide(tensors.norms(sums, v.loss_scale), v);
     const std::vector<std::string>& names = tensors.names();
     std::vector<double> factors(names.size(), 1.0);
@@ -181,10 +235,12 @@ class Core {
     return {factors, resets};
   }
 
+  // The record form gathers every rank's own windows (a collective: every rank calls it, as
+  // torch.distributed.checkpoint and torchtitan do), so the state is the table form's.
   std::string state() const {
     nlohmann::json j = counters_json(counters_);
-    j["detector"] = judge_.state();
-    j["loss_scale"] = judge_.loss_scale_state();
+    j["detector"] = record_state(*judge_, comm_.get());
+    j["loss_scale"] = judge_->loss_scale_state();
     return j.dump();
   }
 
@@ -192,8 +248,8 @@ class Core {
     const nlohmann::json j = nlohmann::json::parse(text);
     RunCounters c;
     read_counters(j, c);
-    judge_.load_state(j.at("detector"), j.value("loss_scale", nlohmann::json::object()));
-    if (config_.skip.reset_guards_on_resume) judge_.detector().reset_guards();
+    judge_->load_state(j.at("detector"), j.value("loss_scale", nlohmann::json::object()));
+    if (config_.skip.reset_guards_on_resume) judge_->detector().reset_guards();
     counters_ = c;
     counters_.world_size = world_;
   }
@@ -201,8 +257,8 @@ class Core {
   py::dict counters() const {
     py::dict d;
     for (const RunCounter& f : kRunCounters) d[f.name] = counters_.*f.field;
-    d["consecutive_skips"] = judge_.detector().consecutive_skips();
-    d["loss_scale"] = judge_.detector().loss_scale();
+    d["consecutive_skips"] = judge_->detector().consecutive_skips();
+    d["loss_scale"] = judge_->detector().loss_scale();
     return d;
   }
 
@@ -211,6 +267,14 @@ class Core {
     std::vector<NamedTensor> out;
     for (const auto& n : names) out.push_back({n, at::Tensor()});
     return out;
+  }
+  std::unique_ptr<StepJudge> make_judge() const {
+    auto judge = std::make_unique<StepJudge>(config_, config_.skip, unnamed(names_), names_,
+                                             nullptr, where_);
+    if (!run_dir_.empty())  // the file appears with its first event
+      judge->open_events(fmt::format("{}/diagnostics/rank{}.jsonl", run_dir_, where_.rank),
+                         [](const std::string& w) { warn(w); });
+    return judge;
   }
   static void warn(const std::string& message) {  // through Python's logging, as the guard's
     py::gil_scoped_acquire gil;
@@ -231,9 +295,12 @@ class Core {
   Config config_;
   int world_;
   int64_t n_tensors_;
-  StepJudge judge_;
-  RunCounters counters_;
+  std::vector<std::string> names_;
+  StepJudge::Where where_;
   std::string run_dir_;
+  std::unique_ptr<Comm> comm_;  // the record form's exchange (null: the table form)
+  std::unique_ptr<StepJudge> judge_;
+  RunCounters counters_;
 };
 
 // The check of one set of gradients (or the part [offset, offset + length) of their
@@ -321,7 +388,10 @@ void bind_step_types(py::module_& m) {
       .def("config_json", &Core::config_json)
       .def("decides_on_device", &Core::decides_on_device, py::arg("on_gpu"),
            py::arg("host_exchange"), py::arg("fused"))
+      .def("exchange_over", &Core::exchange_over, py::arg("group_name"), py::arg("stage"),
+           py::arg("on_device"))
       .def("decide", &Core::decide, py::arg("table"))
+      .def("decide_record", &Core::decide_record, py::arg("row"))
       .def("decide_on_device", &Core::decide_on_device, py::arg("table"), py::arg("step"))
       .def("read_device", &Core::read_device, py::arg("step"))
       .def("tensors_active", &Core::tensors_active)

@@ -278,7 +278,8 @@ class _Pending:  # a device-decided step whose verdict the host reads a step lat
     samples: tuple | None
     lr: float
     tokens: int
-    misuse: object  # the exchanged misuse columns, copied to the host without a wait
+    misuse: object  # the exchanged misuse columns (the record form: this rank's own row, its
+    # misuse columns last), copied to the host without a wait
     copied: object  # a CUDA event after that copy (None on a CPU): waited on before reading
 
 
@@ -328,6 +329,10 @@ class SkipGuard:
         self._epoch = None  # the scheduler's last_epoch after the guard's last step
         self._inside = False  # the guard's own optimizer.step() is running
         self._exchange_group = self._group_with_timeout()
+        # skip.exchange: the record form where the trainer would take it (lockstep._C says):
+        # one fixed-size record a step, every rank's row only on a step to explain
+        self._record = self.world > 1 and self.core.exchange_over(
+            self._exchange_group.group_name, self._stage(), self.on_device)
         self._hooks = _claim(optimizer, self)
         if ddp is not None:
             self.attach_ddp(ddp)
@@ -351,6 +356,11 @@ class SkipGuard:
         self.config = json.loads(self.core.config_json())
         self._refuse_harness_only()
         self._tensors = self.core.tensors_active()  # AdaGC's clip, SPAM's reset
+        if self._tensors and self.config["skip"]["exchange"] == "record":
+            raise ConfigError("invalid value for 'skip.exchange': \"record\", but the guard's "
+                              "per-tensor policies (skip.adaptive_clip = \"adagc\" or "
+                              "skip.spike_moment_reset) exchange every rank's sums each step; set "
+                              "skip.exchange = \"auto\" (the table then) or turn them off")
         if self.config["skip"]["spike_moment_reset"] and not _adam_like(self.optimizer):
             raise ConfigError("invalid value for 'skip.spike_moment_reset': true needs Adam or "
                               f"AdamW moments (exp_avg, exp_avg_sq); {type(self.optimizer).__name__} "
@@ -607,7 +617,8 @@ class SkipGuard:
     @torch.no_grad()
     def step(self, loss, *, sample_ids=None, sample_losses=None, tokens=0, stop=False):
         """After backward(), instead of clip_grad_norm_ + optimizer.step(): checks this rank's
-        gradients, exchanges one row per rank, decides, and steps, clips or skips. Returns the
+        gradients, exchanges one fixed-size record (skip.exchange; or one row per rank),
+        decides, and steps, clips or skips. Returns the
         step's Verdict (`verdict.step`, `verdict.decision`, ...; decided on the device, it is
         read when first used). Raises StepAborted on every rank when the agreed decision is to
         stop, MisuseError on every rank when any rank's call is wrong (MISUSES). `loss`: this
@@ -618,21 +629,17 @@ class SkipGuard:
         params = [p for p in self.params if p.grad is not None]
         misuse = self._misuse(loss, params, sample_ids, sample_losses)
         row, mine, grads = self._measure(loss, params, misuse, sample_losses, stop)
-        whole = self._exchange(row)
-        if not self.on_device:  # the host decides: one read of the exchanged table
-            whole = whole.cpu()
-            self._refuse(whole[:, -_MISUSE_COLUMNS:])
-        codes = whole[:, -_MISUSE_COLUMNS:]
-        whole = whole[:, :-_MISUSE_COLUMNS]
-        sums, table = whole[:, len(_C.STATS_FIELDS):], whole[:, :len(_C.STATS_FIELDS)]
+        whole, codes, v = self._exchange_step(row)
+        sums, table = whole[..., len(_C.STATS_FIELDS):], whole[..., :len(_C.STATS_FIELDS)]
         self._step += 1
         if sample_ids is not None and not misuse[0]:
             mine.sample_ids = list(map(int, sample_ids))
             mine.sample_losses = list(map(float, sample_losses))
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.on_device:  # the per-tensor sums, if any, go along
-            return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses, codes)
-        v = self.core.decide(table)
+            return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses,
+                                        row if self._record else codes)
+        v = v if v is not None else self.core.decide(table)
         self._judge_model(v)
         factors = self._tensor_actions(sums, v, params)
         if v.updates:
@@ -643,9 +650,38 @@ class SkipGuard:
                 torch._foreach_mul_([g for g, _ in clipped], [f for _, f in clipped])
             self._optimizer_step()
         self._advance_scheduler(v.updates)
-        mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
+        mine.loss = float(row[_C.STATS_FIELDS.index("loss")])
         self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
         return Verdict(self._step, self, v)
+
+    def _exchange_step(self, row):
+        """The table form: every rank's row all-gathered (a host decision reads it and refuses
+        any rank's misuse). The record form: this rank's row stays here; a host decision is made
+        now over the record exchange (lockstep._C), and a step some rank's misuse made
+        anomalous (its row counts a nonfinite element) gathers the misuse columns to name it.
+        Returns the rows (with any per-tensor sums), the misuse columns and the record form's
+        host verdict (else None)."""
+        if not self._record:
+            whole = self._exchange(row)
+            if not self.on_device:  # the host decides: one read of the exchanged table
+                whole = whole.cpu()
+                self._refuse(whole[:, -_MISUSE_COLUMNS:])
+            return whole[:, :-_MISUSE_COLUMNS], whole[:, -_MISUSE_COLUMNS:], None
+        mine, codes = row[:-_MISUSE_COLUMNS], row[-_MISUSE_COLUMNS:]
+        if self.on_device:
+            return mine, codes, None
+        try:
+            v, table = self.core.decide_record(mine)
+        except RuntimeError as e:  # a rank did not come
+            raise self._stalled(e) from None
+        if v.nonfinite > 0:
+            self._refuse(self._exchange(codes).cpu())
+        return table, codes, v
+
+    def _stage(self):
+        """Where the exchange group's collectives run: the GPU for NCCL, else the host."""
+        nccl = "nccl" in str(dist.get_backend(self._exchange_group)) if self.world > 1 else False
+        return str(self.device) if nccl and self.device.type == "cuda" else "cpu"
 
     def _judge_model(self, v):
         """A step with nonfinite values, checked against the model's own parameters (each rank
@@ -756,10 +792,17 @@ class SkipGuard:
             return None
         if p.copied is not None:  # a step later: long landed, as the table's own copy
             p.copied.synchronize()
-        self._refuse(p.misuse)
-        v, table = self.core.read_device(p.verdict.step)
+        loss = _C.STATS_FIELDS.index("loss")
+        if self._record:  # p.misuse: this rank's own row, its misuse columns last
+            v, table = self.core.read_device(p.verdict.step)  # the names: rows gathered
+            if v.nonfinite > 0:
+                self._refuse(self._exchange(p.misuse[-_MISUSE_COLUMNS:].to(self.device)).cpu())
+            p.mine.loss = float(p.misuse[loss])
+        else:
+            self._refuse(p.misuse)
+            v, table = self.core.read_device(p.verdict.step)
+            p.mine.loss = float(table[self.rank, loss])
         self._judge_model(v)
-        p.mine.loss = float(table[self.rank, _C.STATS_FIELDS.index("loss")])
         p.verdict._core = v
         self._finish(v, table, p.mine, self._samples(v, *p.samples), p.lr, p.tokens)
         return p.verdict
@@ -807,7 +850,9 @@ class SkipGuard:
     # ---- state -------------------------------------------------------------------------------
     def state_dict(self):
         """The detector's windows, the guards, the loss scale and the counters (a JSON string:
-        torch.save and torch.distributed.checkpoint store it as it is)."""
+        torch.save and torch.distributed.checkpoint store it as it is). In the record form each
+        rank keeps its own windows, and this gathers them: call it on every rank (as
+        torch.distributed.checkpoint and torchtitan do), not on rank 0 alone."""
         self.flush()
         return {"lockstep": self.core.state(), "step": self._step}
 

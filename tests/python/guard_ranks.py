@@ -7,7 +7,7 @@ host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
 Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, nan-weight, device, adagc,
-adagc-device. Exit 0 and "ok" on success.
+adagc-device, forms. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -441,6 +441,65 @@ def device(run_dir):
     assert bitwise_equal(ends[0], ends[1]), "host and device paths ended at different bits"
 
 
+def forms(run_dir):
+    """skip.exchange: the record form (one fixed-size record a step, every rank's row only on a
+    step to explain; each rank's detector keeps its own windows) decides as the table form (every
+    rank's row every step), on the host path and through the fused AdamW on the device path:
+    the same verdicts (the grad norm's bits), the same end bits, every rank's events byte for
+    byte. A state_dict saved at step 10 by either form resumes in the other (the record form
+    gathers every rank's windows when it saves) and decides the rest as the uninterrupted run."""
+    rank = dist.get_rank()
+    faults = {**FAULTS, 18: "spike_all"}  # and a global spike: scope "global"
+
+    def run(path, form, d, state=None, start=1, stop=20, trained=None):
+        """`trained`: (model, optimizer) to go on with, in a new DDP."""
+        if trained is None:
+            m = model()
+            trained = (m, torch.nn.parallel.DistributedDataParallel(m),
+                       torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True))
+        m, wrapped, opt = trained
+        if wrapped is None:
+            wrapped = torch.nn.parallel.DistributedDataParallel(m)
+            trained = (m, wrapped, opt)
+        guard = lt.SkipGuard(opt, SKIP, run_dir=d, model=m, ddp=wrapped,
+                             skip_device_decision=path, skip_exchange=form)
+        assert guard._record == (form == "record") and guard.on_device == (path == "on")
+        if state is not None:
+            guard.load_state_dict(state)
+        decisions = train(wrapped, opt, guard, stop, rank, next(m.parameters()), faults, start)
+        return decisions, guard, trained
+
+    for path in ("off", "on"):
+        runs, ends, events = [], [], []
+        for form in ("table", "record"):
+            d = os.path.join(run_dir, f"{path}-{form}")
+            decisions, guard, (m, _, opt) = run(path, form, d)
+            runs.append(decisions)
+            ends.append(snapshot(m, opt))
+            with open(os.path.join(d, "diagnostics", f"rank{rank}.jsonl"), encoding="utf-8") as f:
+                events.append(f.read())
+        agreed(runs[1])
+        assert runs[0] == runs[1], f"{path}: the forms decided differently:\n{runs[0]}\n{runs[1]}"
+        assert [r[0] for r in runs[1]].count("skip") == 3 and runs[1][17][0] == "clip", runs[1]
+        assert bitwise_equal(ends[0], ends[1]), f"{path}: the forms ended at different bits"
+        assert events[0] == events[1] and events[0].count("\n") >= 4, f"{path}: events differ"
+        if path == "on":
+            break
+        # A resume goes on in a new DDP, whose buckets (and so, on 3 ranks, the bits of its
+        # sums) differ from the uninterrupted run's: table -> table is the reference.
+        resumed = []
+        for saved, loaded in (("table", "table"), ("record", "table"), ("table", "record")):
+            d = os.path.join(run_dir, f"resume-{saved}-{loaded}")
+            first, guard, (m, _, opt) = run(path, saved, d, stop=10)
+            state = guard.state_dict()  # every rank: the record form gathers the windows
+            guard.close()
+            rest, _, _ = run(path, loaded, d, state, 11, 20, (m, None, opt))
+            resumed.append((first + rest, snapshot(m, opt)))
+            assert [r[:3] for r in first + rest] == [r[:3] for r in runs[0]], (saved, loaded)
+            assert resumed[-1][0] == resumed[0][0], f"{saved} -> {loaded} decided differently"
+            assert bitwise_equal(resumed[-1][1], resumed[0][1]), f"{saved} -> {loaded}: other bits"
+
+
 def main():
     scenario, run_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -452,7 +511,7 @@ def main():
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
          "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse,
          "agree": agree, "stall": stall, "nan-weight": nan_weight,
-         "adagc": adagc, "adagc-device": adagc_device}[scenario](run_dir)
+         "adagc": adagc, "adagc-device": adagc_device, "forms": forms}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
     finally:
