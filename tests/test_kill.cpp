@@ -3,6 +3,7 @@
 // exits non-zero within comm.train_timeout_seconds + 10 s, the launcher names the lost rank,
 // no process of the job is left behind, and the latest complete checkpoint loads.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -28,16 +29,28 @@ constexpr int kTimeout = 20;  // comm.train_timeout_seconds
 
 // The processes whose command line mentions `marker`, with their rank (from the launcher's
 // environment variables), excluding the launchers themselves.
+// A /proc file of a process that may exit while it is read: its text, or "" (the read fails with
+// ESRCH then, which std::ifstream turns into an exception).
+std::string read_proc(const std::string& path) {
+  std::string out;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return out;
+}
+
 std::vector<std::pair<pid_t, int>> job_processes(const std::string& marker) {
   std::vector<std::pair<pid_t, int>> out;
   for (const auto& e : std::filesystem::directory_iterator("/proc")) {
     const std::string name = e.path().filename().string();
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const std::string cmd = test::read_text(e.path().string() + "/cmdline");
+    const std::string cmd = read_proc(e.path().string() + "/cmdline");
     if (cmd.find(marker) == std::string::npos) continue;
     const std::string exe = cmd.substr(0, cmd.find('\0'));
     if (exe.size() < 9 || exe.compare(exe.size() - 9, 9, "/lockstep") != 0) continue;
-    const std::string env = test::read_text(e.path().string() + "/environ");
+    const std::string env = read_proc(e.path().string() + "/environ");
     int rank = -1;
     for (size_t at = 0; at < env.size();) {
       const size_t end = env.find('\0', at);
