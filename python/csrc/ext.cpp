@@ -82,15 +82,8 @@ std::unique_ptr<Comm> comm_of_group(const std::string& group_name, const std::st
                                     double timeout) {
   const c10::intrusive_ptr<c10d::ProcessGroup> pg = c10d::resolve_process_group(group_name);
   const c10::Device device(stage);
-  C10dGroup g{pg->getBackend(device.type()), "gloo", c10::Device(c10::kCPU), {}, to_ms(timeout),
-              pg->getRank(), pg->getSize()};
-  if (device.is_cuda()) {
-    g.name = "nccl";
-    g.stage = device;
-    g.barrier.device_ids = {device.index()};
-    g.host_waits = false;  // the stream waits; NCCL's watchdog bounds a hang (comm/c10d.h)
-  }
-  return comm_over(std::move(g));
+  return comm_over(group_of(pg->getBackend(device.type()), device, to_ms(timeout), pg->getRank(),
+                            pg->getSize()));
 }
 
 // The one row of this rank ([9] fp64, any device) on the host.

@@ -637,8 +637,7 @@ class SkipGuard:
             mine.sample_losses = list(map(float, sample_losses))
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.on_device:  # the per-tensor sums, if any, go along
-            return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses,
-                                        row if self._record else codes)
+            return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses, codes)
         v = v if v is not None else self.core.decide(table)
         self._judge_model(v)
         factors = self._tensor_actions(sums, v, params)
@@ -650,7 +649,8 @@ class SkipGuard:
                 torch._foreach_mul_([g for g, _ in clipped], [f for _, f in clipped])
             self._optimizer_step()
         self._advance_scheduler(v.updates)
-        mine.loss = float(row[_C.STATS_FIELDS.index("loss")])
+        loss = _C.STATS_FIELDS.index("loss")  # the table's is on the host already
+        mine.loss = float(row[loss] if self._record else table[self.rank, loss])
         self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
         return Verdict(self._step, self, v)
 
@@ -659,8 +659,9 @@ class SkipGuard:
         any rank's misuse). The record form: this rank's row stays here; a host decision is made
         now over the record exchange (lockstep._C), and a step some rank's misuse made
         anomalous (its row counts a nonfinite element) gathers the misuse columns to name it.
-        Returns the rows (with any per-tensor sums), the misuse columns and the record form's
-        host verdict (else None)."""
+        Returns the rows (with any per-tensor sums), the misuse columns (what a device step
+        keeps for its read: in the record form this rank's whole row) and the record form's host
+        verdict (else None)."""
         if not self._record:
             whole = self._exchange(row)
             if not self.on_device:  # the host decides: one read of the exchanged table
@@ -669,7 +670,7 @@ class SkipGuard:
             return whole[:, :-_MISUSE_COLUMNS], whole[:, -_MISUSE_COLUMNS:], None
         mine, codes = row[:-_MISUSE_COLUMNS], row[-_MISUSE_COLUMNS:]
         if self.on_device:
-            return mine, codes, None
+            return mine, row, None
         try:
             v, table = self.core.decide_record(mine)
         except RuntimeError as e:  # a rank did not come
@@ -680,7 +681,7 @@ class SkipGuard:
 
     def _stage(self):
         """Where the exchange group's collectives run: the GPU for NCCL, else the host."""
-        nccl = "nccl" in str(dist.get_backend(self._exchange_group)) if self.world > 1 else False
+        nccl = "nccl" in str(dist.get_backend(self._exchange_group))
         return str(self.device) if nccl and self.device.type == "cuda" else "cpu"
 
     def _judge_model(self, v):

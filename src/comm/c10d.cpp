@@ -119,6 +119,17 @@ class C10dComm final : public Comm {
 
 }  // namespace
 
+C10dGroup group_of(c10::intrusive_ptr<c10d::Backend> pg, c10::Device stage,
+                   std::chrono::milliseconds timeout, int rank, int size) {
+  if (!stage.is_cuda()) return {std::move(pg), "gloo", stage, {}, timeout, rank, size};
+  c10d::BarrierOptions barrier;
+  barrier.device_ids = {stage.index()};
+  // No timed waits: they would busy-poll the host. The watchdog (the group's own timeout) ends a
+  // collective that hangs: TORCH_NCCL_ASYNC_ERROR_HANDLING (default 3 in the torch versions we
+  // build against) aborts the communicator and the process, so the launcher fails the job.
+  return {std::move(pg), "nccl", stage, barrier, timeout, rank, size, /*host_waits=*/false};
+}
+
 std::unique_ptr<Comm> comm_over(C10dGroup group) {
   return staged(std::make_unique<C10dComm>(std::move(group)));
 }

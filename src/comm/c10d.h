@@ -29,6 +29,11 @@ struct C10dGroup {
   bool host_waits = true;
 };
 
+// A backend's group: Gloo's on the host (`stage` a CPU: the host waits under `timeout`), or
+// NCCL's on the GPU `stage` (its barrier on that device, no host waits).
+C10dGroup group_of(c10::intrusive_ptr<c10d::Backend> pg, c10::Device stage,
+                   std::chrono::milliseconds timeout, int rank, int size);
+
 // The Comm over a c10d process group (c10d.cpp), behind the staging decorator.
 std::unique_ptr<Comm> comm_over(C10dGroup group);
 

@@ -45,7 +45,7 @@ std::unique_ptr<Comm> make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank,
   }
   const auto timeout = to_ms(o.train_timeout_seconds);
   pg->setTimeout(timeout);
-  return comm_over({pg, "gloo", c10::Device(c10::kCPU), {}, timeout, rank, size});
+  return comm_over(group_of(pg, c10::Device(c10::kCPU), timeout, rank, size));
 }
 
 // The store path serves the c10d backends; MPI has its own rendezvous (mpirun).

@@ -28,12 +28,7 @@ std::unique_ptr<Comm> make_nccl_comm(c10::intrusive_ptr<c10d::Store> store, int 
     throw Error(ExitCode::kFailure, fmt::format("nccl setup failed for rank {} of {} on {}: {}",
                                                 rank, size, device.str(), first_line(e.what())));
   }
-  c10d::BarrierOptions barrier;
-  barrier.device_ids = {device.index()};
-  // No timed waits: they would busy-poll the host. The watchdog (opts->timeout) ends a collective
-  // that hangs: TORCH_NCCL_ASYNC_ERROR_HANDLING (default 3 in the torch versions we build
-  // against) aborts the communicator and the process, so the launcher fails the job.
-  return comm_over({pg, "nccl", device, barrier, timeout, rank, size, /*host_waits=*/false});
+  return comm_over(group_of(pg, device, timeout, rank, size));  // opts->timeout: the watchdog's
 }
 
 }  // namespace lockstep
