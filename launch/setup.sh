@@ -30,7 +30,8 @@ die() { printf 'lockstep setup: error: %s\n' "$*" >&2; exit 1; }
 APT_PACKAGES=(cmake ninja-build g++ ccache lld pkg-config libcli11-dev libspdlog-dev libfmt-dev
   libtomlplusplus-dev nlohmann-json3-dev libgtest-dev libgmock-dev openmpi-bin libopenmpi-dev
   libgloo-dev python3-venv libjemalloc-dev  # jemalloc: the trainer's malloc (CMakeLists.txt)
-  python3-dev)  # Python.h for the PyTorch package (setup.py; the README's pip install)
+  python3-dev  # Python.h for the PyTorch package (setup.py; the README's pip install)
+  libssl-dev)  # OpenSSL's HMAC for the digest cache's keyed entries (src/data/digest.cpp)
 ((tests)) && APT_PACKAGES+=(bible-kjv)  # the spike benchmark's corpus (its smoke runs in ctest)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

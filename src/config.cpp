@@ -1186,11 +1186,6 @@ bool tensor_policies_on(const SkipConfig& k) {
   return k.adaptive_clip == AdaptiveClip::kAdaGC || k.spike_moment_reset;
 }
 
-bool exchanges_record(const Config& c, bool on_device) {
-  return c.skip.exchange != Exchange::kTable && record_exchange_blocker(c).empty() &&
-         !(on_device && tensor_policies_on(c.skip));
-}
-
 LossScaleSetting loss_scale_setting(const TrainingConfig& t) {
   if (t.loss_scale == "none") return {LossScaleMode::kNone, 1.0};
   if (t.loss_scale == "dynamic") return {LossScaleMode::kDynamic, t.loss_scale_init};

@@ -50,18 +50,6 @@ std::map<std::string, std::string> parsed(const std::string& text) {
   return items;
 }
 
-// "0, 2-3, 5"
-std::string rank_list(const std::vector<int>& ranks) {
-  std::vector<std::string> parts;
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    parts.push_back(j > i ? fmt::format("{}-{}", ranks[i], ranks[j]) : fmt::format("{}", ranks[i]));
-    i = j + 1;
-  }
-  return fmt::format("rank{} {}", ranks.size() > 1 ? "s" : "", fmt::join(parts, ", "));
-}
-
 std::string shown(const std::string& v) {
   return v.size() <= 80 ? v : fmt::format("{}...", std::string_view(v).substr(0, 77));
 }

@@ -41,10 +41,11 @@ struct JobInputs {
 };
 // Files digested: read whole, or found in the digest cache (data/digest.h).
 struct DigestReads {
-  int64_t read = 0, cached = 0, bytes = 0;
+  int64_t read = 0, cached = 0, bytes = 0, distrusted = 0;
   void count(const ContentDigest& d) {
     (d.cached ? cached : read) += 1;
     if (!d.cached) bytes += d.bytes;
+    distrusted += d.distrusted;
   }
 };
 

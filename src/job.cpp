@@ -84,6 +84,12 @@ void log_digests(const std::string& what, const DigestReads& reads, double secon
   log::info("{}: {} file{} digested ({} read in {:.1f} s, {} from the digest cache)", what,
             reads.read + reads.cached, reads.read + reads.cached > 1 ? "s" : "",
             bytes_text(static_cast<double>(reads.bytes)), seconds, reads.cached);
+  if (reads.distrusted > 0)
+    log::warn("{}: {} digest cache entr{} did not carry this user's key (edited, damaged or "
+              "another user's): {} read again; the cache folder is $LOCKSTEP_DIGEST_CACHE, else "
+              "~/.cache/lockstep/digests",
+              what, reads.distrusted, reads.distrusted > 1 ? "ies" : "y",
+              reads.distrusted > 1 ? "those files were" : "that file was");
 }
 
 void open_data(Job& j) {
@@ -225,23 +231,12 @@ void log_setup(const Job& j) {
               c.skip.max_grad_norm, c.skip.grad_norm_zscore, c.skip.loss_zscore, c.skip.window,
               c.skip.min_history, c.skip.max_consecutive, c.skip.max_fraction,
               c.skip.fraction_window, name_of(c.lr_scheduler.on_skip));
-  if (decides_on_device(c, j.device, j.ranks.local_world_size))
+  if (j.plan.on_device)
     log::info("decision: on {}, read by the host a step later (skip.device_decision)",
               j.device.str());
-  else if (j.device.is_cuda() && !device_decision_blocker(c).empty())
-    log::info("decision: on the host, one sync per step ({} has no device form)",
-              device_decision_blocker(c));
-  else if (j.device.is_cuda() && c.skip.device_decision == DeviceDecisionMode::kAuto)
-    log::info("decision: on the host, one sync per step ({})",
-              decides_on_host_because(c, j.device, j.ranks.local_world_size));
-  if (j.ranks.world_size > 1 && j.judge->detector().own_only())
-    log::info("exchange: one {}-byte record a step, every rank's row only on a step to explain "
-              "(skip.exchange)",
-              sizeof(core::StepRecord));
-  else if (j.ranks.world_size > 1)
-    log::info("exchange: every rank's 72-byte row a step ({})",
-              c.skip.exchange == Exchange::kTable ? "skip.exchange = \"table\""
-                                                  : "the settings read every rank's row");
+  else if (!j.plan.host_because.empty())
+    log::info("decision: on the host, one sync per step ({})", j.plan.host_because);
+  if (!j.plan.exchange_line().empty()) log::info("{}", j.plan.exchange_line());
   if (t.mixed_precision_param != Precision::kFloat32 ||
       t.mixed_precision_reduce != ReducePrecision::kFloat32)
     log::info("mixed precision: {} forward and backward, {} gradient reduction, fp32 master "
@@ -313,12 +308,13 @@ std::unique_ptr<Job> build_job(const Config& config) {
                       c.training.gradient_accumulation_steps * j.ranks.world_size;
   std::vector<std::string> tensors;  // the per-tensor policies': check [B]'s
   for (const NamedTensor& g : j.dp->synced_grads()) tensors.push_back(g.name);
+  j.plan = plan_exchange(c, update_path(c, j.device, j.ranks.local_world_size),
+                         j.ranks.world_size);
   j.judge = std::make_unique<StepJudge>(
       c, with_token_guard(c.skip, j.tokens_per_step), j.dp->grads(), std::move(tensors),
       j.comm.get(),
       StepJudge::Where{j.ranks.rank, j.ranks.world_size, hostname(), j.device.str(), "lockstep",
-                       exchanges_record(c, decides_on_device(c, j.device,
-                                                             j.ranks.local_world_size))});
+                       j.plan.own_windows()});
   // A replay on the CPU reproduces bit for bit; GPU kernels (atomics in the embedding backward)
   // may sum in another order, so there a replay within 1e-4 (relative) reproduces.
   j.triager = std::make_unique<Triager>(c.skip, c.diagnostics.replay_every, j.comm.get(),

@@ -14,6 +14,7 @@
 #include "check/gradcheck.h"
 #include "checkpoint/checkpointer.h"
 #include "comm/comm.h"
+#include "decide/exchange_plan.h"
 #include "decide/judge.h"
 #include "decide/triage.h"
 #include "diag/event.h"
@@ -53,6 +54,7 @@ struct Job {
   std::unique_ptr<GradCheck> shard_check;    // [B] the synced slice this rank checks
   // The decision (host or device), its windows, per-tensor policies, events and counters' step.
   std::unique_ptr<StepJudge> judge;
+  ExchangePlan plan;  // what each step exchanges and where it is decided (decide/exchange_plan.h)
   std::unique_ptr<Triager> triager;          // pre-sync triage, replays, the probe
   std::map<int, std::vector<int64_t>> suspects;  // ranks a replay or probe blamed, by step
   std::unique_ptr<Checkpointer> checkpointer;

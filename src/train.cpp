@@ -221,7 +221,7 @@ void run(Job& job, Progress& progress, TrainResult& result) {
 TrainResult train_job(Job& job) {
   TrainResult result;
   result.start_step = job.state.step;
-  if (decides_on_device(job.config, job.device, job.ranks.local_world_size))
+  if (job.plan.on_device)
     job.judge->start_device(job.device, job.comm.get());
   Progress progress({job.lead ? job.run_dir + "/metrics.jsonl" : "", job.config.training.steps,
                      job.tokens_per_step, job.judge->detector().loss_scaling(),

@@ -194,7 +194,7 @@ void expect_survives_kills(Launcher l, const std::string& lost_rank_pattern) {
 // A rank stopped with SIGSTOP (alive, silent) under each launcher, in ddp, sharded and fsdp
 // mode and with the gradient sync overlapped:
 // every other rank fails its collective after comm.train_timeout_seconds with the one-line
-// error and has exited within the timeout + 10 s; then the launcher ends the stopped one (it
+// error naming rank 1 (a roll call of half the timeout) and has exited within the timeout + 10 s; then the launcher ends the stopped one (it
 // cannot act on SIGTERM while stopped): lockstep-run sends SIGCONT with its SIGTERM, mpirun
 // kills it when a rank ends without finalizing, torchrun SIGKILLs it after its own 30 s grace.
 // Nothing of the job is left running.
@@ -228,6 +228,8 @@ void expect_stall_fails_the_job(Launcher l, double launcher_grace = 0,
     EXPECT_LT(r.seconds_to_others_exit, kStallTimeout + 10) << r.output;
     EXPECT_LT(r.seconds_to_exit, kStallTimeout + 10 + launcher_grace) << r.output;
     EXPECT_NE(r.output.find("lockstep: error: "), std::string::npos) << r.output;
+    // The rank that stopped answering is named (the other's roll call after its timeout).
+    EXPECT_NE(r.output.find("rank 1 did not arrive within"), std::string::npos) << r.output;
     EXPECT_TRUE(left.empty()) << left.size() << " process(es) of the job left, e.g. pid "
                               << left[0].first << "\n" << r.output;
   }

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "decide/exchange_plan.h"
 #include "lockstep/config.h"
 #include "lockstep/error.h"
 #include "run_util.h"
@@ -144,6 +145,10 @@ TEST(RecordForm, ACheckpointResumesInTheOtherForm) {
   }
 }
 
+// The trainer's paths: a CPU, and a GPU with NCCL and the fused AdamW.
+const UpdatePath kHost{false, "", true, ""};
+const UpdatePath kGpu{true, "", true, ""};
+
 TEST(RecordForm, ConfigsThatReadEveryRanksRowAreRefusedByName) {
   for (const auto& [key, value] : std::vector<std::pair<std::string, std::string>>{
            {"skip.scope", "rank"}, {"skip.replay", "self"}, {"diagnostics.replay_every", "5"}}) {
@@ -159,16 +164,17 @@ TEST(RecordForm, ConfigsThatReadEveryRanksRowAreRefusedByName) {
     }
     // "auto" takes the table there, and the record where nothing reads the rows.
     const Config c = load_config("", "test", {{"skip.enabled", "true"}, {key, value}});
-    EXPECT_FALSE(exchanges_record(c, false)) << key;
+    EXPECT_TRUE(plan_exchange(c, kHost, 2).table()) << key;
   }
-  EXPECT_TRUE(exchanges_record(default_config({}), false));
-  EXPECT_TRUE(exchanges_record(default_config({}), true)) << "the device's record form";
-  EXPECT_FALSE(exchanges_record(default_config({{"skip.exchange", "table"}}), false));
+  EXPECT_TRUE(plan_exchange(default_config({}), kHost, 2).record());
+  EXPECT_TRUE(plan_exchange(default_config({}), kGpu, 2).record()) << "the device's record form";
+  EXPECT_TRUE(plan_exchange(default_config({}), kGpu, 2).on_device);
+  EXPECT_TRUE(plan_exchange(default_config({{"skip.exchange", "table"}}), kHost, 2).table());
   // The per-tensor policies read every rank's sums on the device: the table there, and an
   // explicit "record" keeps the decision on the host (or is refused with the device "on").
   const std::vector<Override> adagc = {{"skip.enabled", "true"}, {"skip.adaptive_clip", "adagc"}};
-  EXPECT_FALSE(exchanges_record(load_config("", "test", adagc), true));
-  EXPECT_TRUE(exchanges_record(load_config("", "test", adagc), false));
+  EXPECT_TRUE(plan_exchange(load_config("", "test", adagc), kGpu, 2).table());
+  EXPECT_TRUE(plan_exchange(load_config("", "test", adagc), kHost, 2).record());
   auto on = adagc;
   on.insert(on.end(), {{"skip.exchange", "record"}, {"skip.device_decision", "on"}});
   try {

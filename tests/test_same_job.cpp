@@ -162,6 +162,49 @@ TEST(SameJob, AResumeOnDataWhoseContentChangedIsRefused) {
       << allowed.out;
 }
 
+// The digest cache binds each entry to what it says (issue 52): an entry edited to claim the
+// file's old CRC (after the one byte changed) does not carry this user's key, so the file is
+// read again and the resume is refused, not trained on changed data with exit 0.
+TEST(SameJob, ADigestCacheEntryThatLiesIsCaughtAndTheFileReadAgain) {
+  test::TempDir dir;
+  const std::string data = dir / "text.txt";
+  write_text_file(data, "the quick brown fox jumps over the lazy dog. ");
+  const std::string cache = dir / "cache";
+  const std::string job = "LOCKSTEP_DIGEST_CACHE=" + cache + " " + LOCKSTEP_BIN + " " +
+                          small_job(dir / "run", "--data.source file --data.path " + data);
+  ASSERT_EQ(test::capture(job).code, 0);
+  const auto entry = [&] {
+    for (const auto& f : std::filesystem::directory_iterator(cache))
+      if (f.path().extension() == ".json") return f.path().string();
+    return std::string();
+  };
+  ASSERT_FALSE(entry().empty());
+  const std::string old_crc =
+      nlohmann::json::parse(test::read_text(entry())).at("crc32").get<std::string>();
+  const auto when = std::filesystem::last_write_time(data);
+  std::string text = test::read_text(data);
+  text[text.size() - 10] = '!';
+  test::write_bytes(data, text);
+  std::filesystem::last_write_time(data, when);
+  ASSERT_EQ(test::capture(job + " --training.steps 6").code, 2);  // refused; the entry is new
+  nlohmann::json lie = nlohmann::json::parse(test::read_text(entry()));
+  ASSERT_NE(lie.at("crc32").get<std::string>(), old_crc);
+  lie["crc32"] = old_crc;  // the new file's identity, the old file's CRC
+  test::write_bytes(entry(), lie.dump());
+  const auto resumed = test::capture(job + " --training.steps 6");
+  EXPECT_EQ(resumed.code, 2) << resumed.out;
+  EXPECT_NE(resumed.out.find("1 digest cache entry did not carry this user's key"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_NE(resumed.out.find("resume reads other data than the run trained on"),
+            std::string::npos)
+      << resumed.out;
+  // Read again, the entry is rewritten with the truth and trusted from then on.
+  const auto refused = test::capture(job + " --training.steps 6");
+  EXPECT_EQ(refused.code, 2) << refused.out;
+  EXPECT_NE(refused.out.find("1 from the digest cache"), std::string::npos) << refused.out;
+}
+
 // What else changes results is in the fingerprint (issue 42): the validation file's content,
 // the binary (its build id: another build of the same version), and in ddp the CPU's numerics
 // (ATen's capability, which picks the optimizer's kernels: replicas diverged from step 2).

@@ -330,11 +330,8 @@ LossScaleSetting loss_scale_setting(const TrainingConfig& training);
 // that has none, as `skip.scope = "rank"`.
 std::string device_decision_blocker(const Config& c);
 // "" when the host's decision can take the record form (skip.exchange); else the setting that
-// reads every rank's row each step.
+// reads every rank's row each step (decide/exchange_plan.h adds what the path adds).
 std::string record_exchange_blocker(const Config& c);
-// Whether the run exchanges the record: skip.exchange "record" or "auto" where no setting blocks
-// it (`on_device`: the device decides; there the per-tensor policies read every rank's sums).
-bool exchanges_record(const Config& c, bool on_device);
 // AdaGC's clip or SPAM's moment reset is on (decide/tensor_policies.h).
 bool tensor_policies_on(const SkipConfig& skip);
 

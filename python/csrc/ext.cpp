@@ -21,6 +21,7 @@
 #include "check/gradcheck.h"
 #include "comm/c10d.h"
 #include "decide/exchange.h"
+#include "decide/exchange_plan.h"
 #include "decide/record.h"
 #include "decide/judge.h"
 #include "decide/names.h"
@@ -121,26 +122,23 @@ class Core {
     judge_ = make_judge();
   }
 
-  // skip.exchange for the guard's path: the record form where the trainer would take it (and
-  // the per-tensor policies are off: their sums ride in the table), over the exchange group
-  // `group_name` (`stage`: "cpu" for Gloo, the GPU for NCCL). Called once, before any step;
-  // returns whether the guard exchanges records.
-  bool exchange_over(const std::string& group_name, const std::string& stage, bool on_device) {
-    if (world_ == 1 || !exchanges_record(config_, on_device) || judge_->tensors().active())
-      return false;
+  // What the guard's path exchanges and where it decides (decide/exchange_plan.h, the trainer's
+  // rule): the gradients on a GPU, the process group's exchange, a fused Adam/AdamW. Called once,
+  // before any step; ConfigError as device_decides.
+  ExchangePlan plan(bool on_gpu, const std::string& host_exchange, bool fused) const {
+    return plan_exchange(config_, UpdatePath{on_gpu, host_exchange, fused, ""}, world_);
+  }
+
+  // The plan's record form: the harness's own record exchange runs over the guard's exchange
+  // group `group_name` (`stage`: "cpu" for Gloo, the GPU for NCCL), and this rank's detector
+  // keeps its own windows only. Called once, before any step.
+  void exchange_records_over(const std::string& group_name, const std::string& stage) {
     comm_ = comm_of_group(group_name, stage, config_.comm.train_timeout_seconds);
     where_.record_form = true;
     judge_ = make_judge();
-    return true;
   }
 
   std::string config_json() const { return to_json(config_); }
-
-  // skip.device_decision for the guard's path (device_decision.h, the trainer's rule): the
-  // gradients on a GPU, the process group's exchange, a fused Adam/AdamW.
-  bool decides_on_device(bool on_gpu, const std::string& host_exchange, bool fused) const {
-    return device_decides(config_, UpdatePath{on_gpu, host_exchange, fused, ""});
-  }
 
   // The host decision of a step from the all-gathered table ([W, 9]).
   Verdict decide(const at::Tensor& table) const { return judge_->decide(rows_of(table, world_)); }
@@ -208,6 +206,9 @@ class Core {
   }
 
   bool tensors_active() { return judge_->tensors().active(); }
+  // Whether the decided step `v` needs every rank's per-tensor sums (decide_tensors; the guard
+  // gathers them then, as the trainer does: every rank has the same verdict).
+  bool needs_tensor_sums(const Verdict& v) const { return judge_->tensors().needs_norms(v); }
 
   // The per-tensor policies (skip.adaptive_clip = "adagc", skip.spike_moment_reset) of the
   // decided step `v`, from every rank's per-tensor partial sums ([W, tensors] fp64, exchanged
@@ -371,6 +372,18 @@ void bind_step_types(py::module_& m) {
       .def_readwrite("ids", &SampleTable::ids)
       .def_readwrite("losses", &SampleTable::losses);
 
+  py::class_<ExchangePlan>(m, "ExchangePlan")
+      .def_property_readonly("each",
+                             [](const ExchangePlan& p) {
+                               return p.record() ? "record" : p.table() ? "table" : "nothing";
+                             })
+      .def_readonly("on_device", &ExchangePlan::on_device)
+      .def_readonly("tensor_sums_each_step", &ExchangePlan::tensor_sums_each_step)
+      .def_readonly("tensor_policies", &ExchangePlan::tensor_policies)
+      .def_readonly("table_because", &ExchangePlan::table_because)
+      .def_readonly("host_because", &ExchangePlan::host_because)
+      .def("summary", &ExchangePlan::summary);
+
   py::class_<Core>(m, "Core")
       .def(py::init<const std::string&, const std::string&, const std::vector<Override>&, int, int,
                     std::vector<std::string>, const std::string&, const std::string&,
@@ -379,15 +392,15 @@ void bind_step_types(py::module_& m) {
            py::arg("world"), py::arg("names"), py::arg("run_dir"), py::arg("host"),
            py::arg("device"))
       .def("config_json", &Core::config_json)
-      .def("decides_on_device", &Core::decides_on_device, py::arg("on_gpu"),
-           py::arg("host_exchange"), py::arg("fused"))
-      .def("exchange_over", &Core::exchange_over, py::arg("group_name"), py::arg("stage"),
-           py::arg("on_device"))
+      .def("plan", &Core::plan, py::arg("on_gpu"), py::arg("host_exchange"), py::arg("fused"))
+      .def("exchange_records_over", &Core::exchange_records_over, py::arg("group_name"),
+           py::arg("stage"))
       .def("decide", &Core::decide, py::arg("table"))
       .def("decide_record", &Core::decide_record, py::arg("row"))
       .def("decide_on_device", &Core::decide_on_device, py::arg("table"), py::arg("step"))
       .def("read_device", &Core::read_device, py::arg("step"))
       .def("tensors_active", &Core::tensors_active)
+      .def("needs_tensor_sums", &Core::needs_tensor_sums, py::arg("verdict"))
       .def("decide_tensors", &Core::decide_tensors, py::arg("sums"), py::arg("verdict"))
       .def("finish", &Core::finish, py::arg("verdict"), py::arg("table"), py::arg("mine"),
            py::arg("samples"), py::arg("lr"), py::arg("tokens"))

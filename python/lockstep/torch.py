@@ -57,6 +57,34 @@ HARNESS_ONLY = {  # the values the guard takes; others need lockstep's own train
 }
 
 
+def harness_only_refusal(config):
+    """The message refusing a setting only lockstep's own trainer takes (HARNESS_ONLY), or None;
+    `config`: the resolved config (Core.config_json())."""
+    for (section, key), fine in HARNESS_ONLY.items():
+        value = config[section][key]
+        if value not in fine:
+            takes = " or ".join(map(repr, fine))
+            return (f"invalid value for '{section}.{key}': {value!r} needs lockstep's own trainer "
+                    f"(lockstep train); the guard takes {takes}")
+    return None
+
+
+def _fused(optimizer):
+    """The optimizer takes found_inf and grad_scale (a fused Adam/AdamW)."""
+    return bool(optimizer.defaults.get("fused")) and hasattr(optimizer,
+                                                             "_step_supports_amp_scaling")
+
+
+def plan_of(core, device_type, backend, fused):
+    """What a step exchanges and where it is decided (lockstep._C.ExchangePlan): the trainer's
+    own rule over the guard's path. "auto" decides on the device for gradients on a GPU,
+    exchanged by NCCL, with a fused Adam/AdamW (found_inf and grad_scale, no host read); "on"
+    also elsewhere (a CPU: the tests). `backend`: the process group's ("" for one process)."""
+    host_exchange = "" if backend in ("", "nccl") or "cuda:nccl" in backend else \
+        f"the process group's {backend} exchanges on the host"
+    return core.plan(device_type == "cuda", host_exchange, fused)
+
+
 class StalledRank(RuntimeError):
     """Raised on the ranks that wait when another rank did not reach guard.step within
     comm.train_timeout_seconds (it stopped calling it, hangs elsewhere or died); the message
@@ -93,6 +121,9 @@ MISUSES = {
     6: "called scheduler.step() outside guard.step ({a:.0f} time(s) since the guard's last step); "
        "the guard steps the scheduler you passed it: remove your scheduler.step()",
     7: "passed a loss of {a:.0f} elements; pass this rank's mean loss (a one-element tensor)",
+    8: "called guard.step again without a new backward (none of its {a:.0f} gradients changed "
+       "since guard step {b:.0f}); call loss.backward() before each guard.step (a second step "
+       "would apply the same gradient twice and shift the step counter)",
 }
 _MISUSE_COLUMNS = 3  # the code, then its two numbers
 
@@ -271,6 +302,23 @@ def _claim(optimizer, guard):
     return hooks
 
 
+class _UsedGradients:
+    """The gradients a guard step used, as they stood when it ended: each one's tensor (a weak
+    reference: zero_grad(set_to_none=True) frees it) and its version counter (every backward
+    that accumulates into it, and every in-place write, moves it). A later call whose gradients
+    are all the same tensors at the same versions had no backward in between."""
+
+    def __init__(self, step, params):
+        self.step = step
+        self.marks = [(weakref.ref(p.grad), _local(p.grad)._version) for p in params]
+
+    def unchanged(self, params):
+        if len(params) != len(self.marks):
+            return False
+        return all(ref() is p.grad and _local(p.grad)._version == version
+                   for (ref, version), p in zip(self.marks, params))
+
+
 @dataclass
 class _Pending:  # a device-decided step whose verdict the host reads a step later
     verdict: Verdict
@@ -325,14 +373,15 @@ class SkipGuard:
         self._sum_index = {}
         self._local_parts = []
         self._pending = None
+        self._used = None  # the gradients the last step used (_UsedGradients)
+        self._state_calls = 0  # state_dict() calls (the record form's roll call names each)
         self.last_verdict = None
         self._epoch = None  # the scheduler's last_epoch after the guard's last step
         self._inside = False  # the guard's own optimizer.step() is running
         self._exchange_group = self._group_with_timeout()
-        # skip.exchange: the record form where the trainer would take it (lockstep._C says):
-        # one fixed-size record a step, every rank's row only on a step to explain
-        self._record = self.world > 1 and self.core.exchange_over(
-            self._exchange_group.group_name, self._stage(), self.on_device)
+        self._my_sums = None  # this rank's per-tensor sums, gathered on the steps that need them
+        if self._record:  # one fixed-size record a step, every rank's row only on a step to explain
+            self.core.exchange_records_over(self._exchange_group.group_name, self._stage())
         self._hooks = _claim(optimizer, self)
         if ddp is not None:
             self.attach_ddp(ddp)
@@ -356,16 +405,15 @@ class SkipGuard:
         self.config = json.loads(self.core.config_json())
         self._refuse_harness_only()
         self._tensors = self.core.tensors_active()  # AdaGC's clip, SPAM's reset
-        if self._tensors and self.config["skip"]["exchange"] == "record":
-            raise ConfigError("invalid value for 'skip.exchange': \"record\", but the guard's "
-                              "per-tensor policies (skip.adaptive_clip = \"adagc\" or "
-                              "skip.spike_moment_reset) exchange every rank's sums each step; set "
-                              "skip.exchange = \"auto\" (the table then) or turn them off")
         if self.config["skip"]["spike_moment_reset"] and not _adam_like(self.optimizer):
             raise ConfigError("invalid value for 'skip.spike_moment_reset': true needs Adam or "
                               f"AdamW moments (exp_avg, exp_avg_sq); {type(self.optimizer).__name__} "
                               "has none to reset; set it to false")
-        self.on_device = self._decides_on_device()
+        # What each step exchanges and where it is decided: the trainer's plan (lockstep._C)
+        self.plan = plan_of(self.core, self.device.type, self._backend(), _fused(self.optimizer))
+        self.on_device = self.plan.on_device
+        self._record = self.plan.each == "record"
+        self._sums_each_step = self.plan.tensor_sums_each_step  # else gathered when needed
 
     def _fingerprint(self):
         """What every rank's guard must share: its resolved settings, the optimizer's kind and
@@ -417,27 +465,12 @@ class SkipGuard:
                               "; build the guard, its optimizer and model alike on every rank")
 
     def _refuse_harness_only(self):
-        for (section, key), fine in HARNESS_ONLY.items():
-            value = self.config[section][key]
-            if value not in fine:
-                takes = " or ".join(map(repr, fine))
-                raise ConfigError(f"invalid value for '{section}.{key}': {value!r} needs lockstep's "
-                                  f"own trainer (lockstep train); the guard takes {takes}")
+        refusal = harness_only_refusal(self.config)
+        if refusal:
+            raise ConfigError(refusal)
 
-    def _decides_on_device(self):
-        """skip.device_decision, by the trainer's own rule (lockstep._C): "auto" decides on the
-        device for gradients on a GPU, exchanged by NCCL, with a fused Adam/AdamW (found_inf
-        and grad_scale, no host read); "on" also elsewhere (a CPU: the tests), with a fused
-        optimizer."""
-        fused = bool(self.optimizer.defaults.get("fused")) and hasattr(
-            self.optimizer, "_step_supports_amp_scaling")
-        backend = ""
-        if self.world > 1:
-            backend = str(dist.get_backend(self.group))
-        # (off a GPU the rule decides on the host whatever the exchange)
-        host_exchange = "" if backend in ("", "nccl") or "cuda:nccl" in backend else \
-            f"the process group's {backend} exchanges on the host"
-        return self.core.decides_on_device(self.device.type == "cuda", host_exchange, fused)
+    def _backend(self):
+        return str(dist.get_backend(self.group)) if self.world > 1 else ""
 
     # ---- DDP: each rank's own gradient, before the all-reduce ---------------------------------
     def attach_ddp(self, ddp, process_group=None):
@@ -503,6 +536,8 @@ class SkipGuard:
         if self.scheduler is not None and self._epoch is not None \
                 and self.scheduler.last_epoch != self._epoch:
             return 6, self.scheduler.last_epoch - self._epoch, 0
+        if self._used is not None and self._used.unchanged(params):
+            return 8, len(params), self._used.step
         return 0, 0, 0
 
     def _refuse(self, misuse):
@@ -525,7 +560,7 @@ class SkipGuard:
                            1.0 if stop else 0.0)
 
     def _row_width(self):
-        return len(_C.STATS_FIELDS) + (len(self.params) if self._tensors else 0)
+        return len(_C.STATS_FIELDS) + (len(self.params) if self._sums_each_step else 0)
 
     def _group_with_timeout(self):
         """The group the rows go over: the process group's ranks and backend with
@@ -549,27 +584,33 @@ class SkipGuard:
             raise self._stalled(e) from None
         return table.reshape(self.world, -1)
 
+    def _roll_call(self, what):
+        """Every rank of the exchange group that reached `what` says so in the job's store, then
+        waits up to comm.train_timeout_seconds for the others; returns the group ranks still
+        missing then ("?" when the store cannot tell: it is torch's private API)."""
+        timeout = self.config["comm"]["train_timeout_seconds"]
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            ranks = dist.get_process_group_ranks(self._exchange_group)
+            store.set(f"lockstep/guard/{what}/{dist.get_rank()}", "1")
+            deadline = time.monotonic() + timeout
+            while True:
+                here = [r for r in ranks if store.check([f"lockstep/guard/{what}/{r}"])]
+                if len(here) == len(ranks) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            return ", ".join(str(dist.get_group_rank(self._exchange_group, r))
+                             for r in ranks if r not in here)
+        except Exception:  # noqa: BLE001
+            return "?"
+
     def _stalled(self, error):
         """The error of a step some rank did not reach: every rank that did says so in the job's
         store, then waits up to the timeout again for the others; the ones still missing are
         named (the same on every waiting rank, barring a rank later than the timeout)."""
         timeout = self.config["comm"]["train_timeout_seconds"]
         step = self._step + 1
-        missing = "?"
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            ranks = dist.get_process_group_ranks(self._exchange_group)
-            store.set(f"lockstep/guard/{step}/{dist.get_rank()}", "1")
-            deadline = time.monotonic() + timeout
-            while True:
-                here = [r for r in ranks if store.check([f"lockstep/guard/{step}/{r}"])]
-                if len(here) == len(ranks) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            missing = ", ".join(str(dist.get_group_rank(self._exchange_group, r))
-                                for r in ranks if r not in here) or "?"
-        except Exception:  # noqa: BLE001  (the store is torch's private API: name no rank then)
-            pass
+        missing = self._roll_call(step) or "?"
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return StalledRank(f"lockstep guard: rank {missing} did not reach guard.step {step} within "
                            f"comm.train_timeout_seconds = {timeout:g} s ({first}); every rank "
@@ -603,8 +644,10 @@ class SkipGuard:
             shard, grads = self._shard_stats(params)
             local = self._local_stats()
             row = self._row(shard, local, loss, stop, sample_losses)
-            if self._tensors:  # each tensor's partial sum of squares rides in the same exchange
-                row = torch.cat([row, self._tensor_sums(shard, params)])
+            if self._tensors:  # each tensor's partial sum of squares
+                self._my_sums = self._tensor_sums(shard, params)
+            if self._sums_each_step:  # decided on the device: the sums ride the same exchange
+                row = torch.cat([row, self._my_sums])
         codes = torch.zeros(_MISUSE_COLUMNS, dtype=torch.float64, device=row.device)
         if misuse[0]:  # (a clean step copies nothing from the host: no wait on a GPU)
             codes = torch.tensor(misuse, dtype=torch.float64, device=row.device)
@@ -630,7 +673,7 @@ class SkipGuard:
         misuse = self._misuse(loss, params, sample_ids, sample_losses)
         row, mine, grads = self._measure(loss, params, misuse, sample_losses, stop)
         whole, codes, v = self._exchange_step(row)
-        sums, table = whole[..., len(_C.STATS_FIELDS):], whole[..., :len(_C.STATS_FIELDS)]
+        table = whole[..., :len(_C.STATS_FIELDS)]
         self._step += 1
         if sample_ids is not None and not misuse[0]:
             mine.sample_ids = list(map(int, sample_ids))
@@ -640,7 +683,7 @@ class SkipGuard:
             return self._step_on_device(whole, mine, lr, tokens, sample_ids, sample_losses, codes)
         v = v if v is not None else self.core.decide(table)
         self._judge_model(v)
-        factors = self._tensor_actions(sums, v, params)
+        factors = self._tensor_actions(v, params)
         if v.updates:
             if v.clip < 1.0:
                 torch._foreach_mul_(grads, v.clip)
@@ -649,6 +692,7 @@ class SkipGuard:
                 torch._foreach_mul_([g for g, _ in clipped], [f for _, f in clipped])
             self._optimizer_step()
         self._advance_scheduler(v.updates)
+        self._used = _UsedGradients(self._step, params)
         loss = _C.STATS_FIELDS.index("loss")  # the table's is on the host already
         mine.loss = float(row[loss] if self._record else table[self.rank, loss])
         self._finish(v, table, mine, self._samples(v, sample_ids, sample_losses), lr, tokens)
@@ -735,13 +779,15 @@ class SkipGuard:
         out[self._sum_index[key]] = shard[head + 1: head + 2 * n: 2]
         return out
 
-    def _tensor_actions(self, sums, v, params):
-        """The per-tensor policies of the decided step (the harness's TensorPolicies, over the
-        exchanged sums): SPAM's reset zeroes the moments of the tensors a global spike hit
-        (now, skipped or not); returns AdaGC's factor for each of `params` (1: untouched)."""
-        if not self._tensors:
+    def _tensor_actions(self, v, params):
+        """The per-tensor policies of the decided step (the harness's TensorPolicies, over every
+        rank's sums, gathered as the trainer does: only on a step that needs them, which every
+        rank knows from the agreed verdict): SPAM's reset zeroes the moments of the tensors a
+        global spike hit (now, skipped or not); returns AdaGC's factor for each of `params`
+        (1: untouched)."""
+        if not self._tensors or not self.core.needs_tensor_sums(v):
             return [1.0] * len(params)
-        factors, resets = self.core.decide_tensors(sums, v)
+        factors, resets = self.core.decide_tensors(self._exchange(self._my_sums).cpu(), v)
         for p, reset in zip(self.params, resets):
             for moment in self._moments(p) if reset else []:
                 moment.zero_()
@@ -778,6 +824,7 @@ class SkipGuard:
         finally:
             del self.optimizer.found_inf, self.optimizer.grad_scale
         self._advance_scheduler(True)
+        self._used = _UsedGradients(self._step, [p for p in self.params if p.grad is not None])
         verdict = Verdict(self._step, self)
         misuse, copied = codes.to("cpu", non_blocking=True), None
         if codes.is_cuda:
@@ -855,6 +902,16 @@ class SkipGuard:
         rank keeps its own windows, and this gathers them: call it on every rank (as
         torch.distributed.checkpoint and torchtitan do), not on rank 0 alone."""
         self.flush()
+        if self._record:  # a collective: first, every rank is here (else a line, not a hang)
+            self._state_calls += 1
+            missing = self._roll_call(f"state_dict/{self._state_calls}")
+            if missing:
+                timeout = self.config["comm"]["train_timeout_seconds"]
+                raise StalledRank(
+                    f"lockstep guard: rank {missing} did not call guard.state_dict() within "
+                    f"comm.train_timeout_seconds = {timeout:g} s (its call {self._state_calls} "
+                    "here); in the record form (skip.exchange) it gathers every rank's windows: "
+                    "call it on every rank, as torch.distributed.checkpoint and torchtitan do")
         return {"lockstep": self.core.state(), "step": self._step}
 
     def load_state_dict(self, state):
@@ -871,6 +928,7 @@ class SkipGuard:
                       "the global windows, guards and counters carry over; each rank's own "
                       "windows fill again")
         self._pending = None
+        self._used = None
         self._epoch = None  # a scheduler loaded with it may stand anywhere
         self.core.load_state(state["lockstep"])
         self._step = int(state["step"])

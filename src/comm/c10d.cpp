@@ -4,7 +4,10 @@
 // by the staging decorator (staged.cpp) around it.
 #include <fmt/core.h>
 
+#include <chrono>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "comm/c10d.h"
 #include "lockstep/error.h"
@@ -106,15 +109,42 @@ class C10dComm final : public Comm {
       else
         work->wait();
     } catch (const std::exception& e) {
+      if (stalled_.empty()) stalled_ = roll_call();
       throw Error(ExitCode::kFailure,
-                  fmt::format("{} {} failed on rank {} of {} (timeout {} s; did a rank die or "
-                              "stall?): {}",
-                              g_.name, op, g_.rank, g_.size, g_.timeout.count() / 1000.0,
+                  fmt::format("{} {} failed on rank {} of {} (timeout {} s): {}; {}", g_.name, op,
+                              g_.rank, g_.size, g_.timeout.count() / 1000.0, stalled_,
                               first_line(e.what())));
     }
   }
 
+  // After a timeout: this rank says it arrived in the job's store and waits a while for the
+  // others to say so too (each of them times out on the same collective, or on the one before);
+  // the ones that never do are the stalled or dead ones. Once per process.
+  std::string roll_call() {
+    if (!g_.store) return "did a rank die or stall?";
+    const double window = roll_call_seconds(g_.timeout.count() / 1000.0);
+    const auto key = [](int r) { return fmt::format("lockstep/arrived/{}", r); };
+    std::vector<int> missing;
+    try {
+      g_.store->setTimeout(to_ms(window));
+      g_.store->set(key(g_.rank), std::vector<uint8_t>{'1'});
+      const auto deadline = std::chrono::steady_clock::now() + to_ms(window);
+      for (;;) {
+        missing.clear();
+        for (int r = 0; r < g_.size; ++r)
+          if (r != g_.rank && !g_.store->check({key(r)})) missing.push_back(r);
+        if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    } catch (const std::exception&) {
+      return "no roll call: the rendezvous store did not answer either (rank 0 or the "
+             "launcher's agent serves it: stopped or dead, or the job is ending)";
+    }
+    return stalled_ranks_words(missing, window);
+  }
+
   C10dGroup g_;
+  std::string stalled_;  // the roll call's words, once taken
 };
 
 }  // namespace

@@ -27,6 +27,9 @@ struct C10dGroup {
   // watchdog (its Options::timeout = `timeout`, TORCH_NCCL_ASYNC_ERROR_HANDLING) ends a hung
   // collective, and the process with it. A timed wait there would busy-poll the host.
   bool host_waits = true;
+  // The job's store (Gloo's rendezvous), for the roll call after a collective times out: the
+  // ranks that reached one say so there, and the error names those that did not (null: none).
+  c10::intrusive_ptr<c10d::Store> store;
 };
 
 // A backend's group: Gloo's on the host (`stage` a CPU: the host waits under `timeout`), or

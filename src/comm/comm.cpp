@@ -2,6 +2,10 @@
 
 #include <ATen/ops/empty.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace lockstep {
@@ -37,6 +41,30 @@ std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector
     all.emplace_back(q, q + n);
   }
   return all;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j > i ? fmt::format("{}-{}", ranks[i], ranks[j]) : fmt::format("{}", ranks[i]));
+    i = j + 1;
+  }
+  return fmt::format("rank{} {}", ranks.size() > 1 ? "s" : "", fmt::join(parts, ", "));
+}
+
+double roll_call_seconds(double timeout_seconds) {
+  return std::clamp(timeout_seconds / 2, 0.5, 15.0);
+}
+
+std::string stalled_ranks_words(const std::vector<int>& missing, double window_seconds) {
+  if (missing.empty())
+    return "every rank timed out here too (none is lost: a collective out of step, or a network "
+           "slower than comm.train_timeout_seconds?)";
+  return fmt::format("{} did not arrive within {:g} s of this rank's timeout (stopped or dead: {} "
+                     "stopped answering)",
+                     rank_list(missing), window_seconds, missing.size() > 1 ? "they" : "it");
 }
 
 }  // namespace lockstep

@@ -116,6 +116,18 @@ at::Tensor gather_rows(Comm* comm, const at::Tensor& row);
 // The same for doubles held on the host (exact for integers below 2^53).
 std::vector<std::vector<double>> all_gather_values(Comm* comm, const std::vector<double>& mine);
 
+// "rank 1", "ranks 0, 2-3, 5" (sorted ranks).
+std::string rank_list(const std::vector<int>& ranks);
+
+// After a collective timed out, a roll call (each backend's own: the job's store, MPI's
+// messages) waits this long for the other ranks to say they arrived: half the timeout, at most
+// 15 s (the others time out on the same collective within about a step of this rank).
+double roll_call_seconds(double timeout_seconds);
+// The error's words for the ranks that did not answer it: "rank 1 did not arrive within 2.5 s
+// of this rank's timeout (stopped or dead: that rank stopped answering)", or, when all answered,
+// that no rank is lost.
+std::string stalled_ranks_words(const std::vector<int>& missing, double window_seconds);
+
 // NCCL is built in (LOCKSTEP_CUDA builds).
 bool nccl_available();
 // MPI is built in (LOCKSTEP_MPI builds).

@@ -45,7 +45,9 @@ std::unique_ptr<Comm> make_gloo(c10::intrusive_ptr<c10d::Store> store, int rank,
   }
   const auto timeout = to_ms(o.train_timeout_seconds);
   pg->setTimeout(timeout);
-  return comm_over(group_of(pg, c10::Device(c10::kCPU), timeout, rank, size));
+  C10dGroup g = group_of(pg, c10::Device(c10::kCPU), timeout, rank, size);
+  g.store = store;
+  return comm_over(std::move(g));
 }
 
 // The store path serves the c10d backends; MPI has its own rendezvous (mpirun).

@@ -6,7 +6,9 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/comm.h"
 #include "lockstep/error.h"
@@ -162,18 +164,57 @@ class MpiComm final : public Comm {
       if (done) return;
       if (i > 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
       if ((i & 63) == 0 && Clock::now() > deadline) {
+        if (!failed_) stalled_ = roll_call();
         failed_ = true;
         throw Error(ExitCode::kFailure,
                     fmt::format("mpi {} did not finish on rank {} of {} within "
-                                "comm.train_timeout_seconds = {} s; did a rank die or stall?",
-                                op, rank_, size_, timeout_));
+                                "comm.train_timeout_seconds = {} s: {}",
+                                op, rank_, size_, timeout_, stalled_));
       }
     }
+  }
+
+  // After a timeout: this rank sends every other rank one small message ("arrived") and takes
+  // theirs for a while (each of them times out on the same collective, or on the one before);
+  // the ranks whose message never comes stopped answering. Point-to-point on a tag of its own:
+  // the collective still pending keeps its own matching. The requests are left in flight: the
+  // process exits with its error (see ~MpiComm).
+  std::string roll_call() {
+    constexpr int kRollCallTag = 7301;
+    const double window = roll_call_seconds(timeout_);
+    roll_in_.assign(static_cast<size_t>(size_), 0);
+    std::vector<MPI_Request> recv(static_cast<size_t>(size_), MPI_REQUEST_NULL);
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      MPI_Request send;
+      MPI_Isend(&roll_out_, 1, MPI_INT, r, kRollCallTag, comm_, &send);
+      MPI_Request_free(&send);
+      MPI_Irecv(&roll_in_[static_cast<size_t>(r)], 1, MPI_INT, r, kRollCallTag, comm_,
+                &recv[static_cast<size_t>(r)]);
+    }
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(window);
+    std::vector<int> missing;
+    for (;;) {
+      missing.clear();
+      for (int r = 0; r < size_; ++r) {
+        int done = 1;
+        if (recv[static_cast<size_t>(r)] != MPI_REQUEST_NULL)
+          MPI_Test(&recv[static_cast<size_t>(r)], &done, MPI_STATUS_IGNORE);
+        if (!done) missing.push_back(r);
+      }
+      if (missing.empty() || std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return stalled_ranks_words(missing, window);
   }
 
   double timeout_;
   bool owns_mpi_ = false;
   bool failed_ = false;  // a collective timed out: never block in MPI again
+  std::string stalled_;  // the roll call's words, once taken
+  int roll_out_ = 1;
+  std::vector<int> roll_in_;  // the others' "arrived" (alive while the receives are in flight)
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
 };

@@ -78,6 +78,8 @@ class TensorPolicies {
   // factors or resets differ, a bug.
   void mirror(int64_t step, const DeviceDecision::Readback& late, Verdict& v);
 
+  // Whether the decided step `v` reads the per-tensor norms (step() gathers the sums then).
+  bool needs_norms(const Verdict& v) const;
   const std::vector<std::string>& names() const { return names_; }
   int64_t taken() const { return count_; }
   const std::vector<double>& thresholds() const { return gamma_; }
@@ -85,7 +87,6 @@ class TensorPolicies {
   void load_state(const nlohmann::json& state);
 
  private:
-  bool needs_norms(const Verdict& v) const;
 
   core::TensorRule rule_;
   std::vector<std::string> names_;

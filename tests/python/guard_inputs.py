@@ -41,9 +41,11 @@ def main():
     refused("invalid value for 'skip.max_grad_norm'", opt, {"skip.max_grad_norm": -1},
             run_dir=run_dir)
     refused("unknown config key 'skip.enbled'", opt, run_dir=run_dir, skip_enbled=True)
-    refused("invalid value for 'skip.exchange': \"record\", but the guard's per-tensor policies",
-            opt, run_dir=run_dir, skip_enabled=True, skip_adaptive_clip="adagc",
-            skip_exchange="record")
+    # the trainer's rule (decide/exchange_plan.h): AdaGC takes the record on the host, and the
+    # device's per-tensor policies need every rank's sums each step (the table)
+    refused("invalid value for 'skip.exchange': \"record\", but skip.device_decision = \"on\" "
+            "with the per-tensor policies", opt, run_dir=run_dir, skip_enabled=True,
+            skip_adaptive_clip="adagc", skip_exchange="record", skip_device_decision="on")
     refused("needs a fused optimizer", opt, run_dir=run_dir, skip_device_decision="on")
     # "auto" means what it means in lockstep's trainer (one rule, in C++): the device decides
     # only for gradients on a GPU; "on" forces it (here on the CPU)

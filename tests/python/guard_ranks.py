@@ -321,8 +321,34 @@ def misuse(run_dir):
                           "no-losses": "rank 1 passed sample_ids without sample_losses"}[mistake]
                 assert str(e).startswith("lockstep guard: " + expect), str(e)
             assert bitwise_equal(weights, snapshot(m, opt)[:len(weights)]), "a misuse stepped"
+        twice(wrapped, m, opt, guard, rank)
         del wrapped
         gc.collect()
+
+
+def twice(wrapped, m, opt, guard, rank):
+    """Rank 1 calls guard.step a second time after one backward (rank 0 ran a new one): every
+    rank raises MisuseError naming rank 1 and the mistake; no second update, no step counted."""
+    opt.zero_grad(set_to_none=True)
+    loss, _, _ = forward_backward(wrapped, 7, rank, None, {})
+    step = guard.step(loss).step  # the verdict's step, as the message names it
+    guard.flush()
+    counted = guard.counters["step"]
+    weights = snapshot(m, opt)[:len(list(m.parameters()))]
+    n = sum(p.grad is not None for p in m.parameters())
+    if rank == 0:  # a new backward here, of the module itself (no collective: rank 1 runs
+        opt.zero_grad(set_to_none=True)  # none); rank 1 steps again on the same gradients
+        loss, _, _ = forward_backward(m, 8, rank, None, {})
+    try:
+        guard.step(loss)
+        guard.flush()
+        raise AssertionError(f"rank {rank}: a second guard.step without a backward was accepted")
+    except lt.MisuseError as e:
+        assert str(e).startswith("lockstep guard: rank 1 called guard.step again without a new "
+                                 f"backward (none of its {n} gradients changed since guard step "
+                                 f"{step})"), str(e)
+    assert bitwise_equal(weights, snapshot(m, opt)[:len(weights)]), "the second step updated"
+    assert guard.counters["step"] == counted, (guard.counters, counted)
 
 
 def refused_everywhere(expect, build):
@@ -402,7 +428,10 @@ def stall(run_dir):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     guard = lt.SkipGuard(opt, SKIP, model=m, comm_train_timeout_seconds=2)
     done = os.path.join(run_dir, "rank0-raised")
+    os.makedirs(run_dir, exist_ok=True)
     for step in range(1, 5):
+        if step == 3:
+            state_on_rank0_only(guard, rank, os.path.join(run_dir, "rank0-state-raised"))
         if rank == 1 and step == 4:
             while not os.path.exists(done):  # the event: rank 0 raised (no wait on a duration)
                 time.sleep(0.05)
@@ -419,6 +448,23 @@ def stall(run_dir):
             open(done, "w").close()
             return
     raise AssertionError(f"rank {rank}: step 4 was taken without rank 1")
+
+
+def state_on_rank0_only(guard, rank, done):
+    """Rank 0 alone calls guard.state_dict() (a collective in the record form): it raises
+    StalledRank naming rank 1 within the timeout, not a hang; rank 1 waits for that, and both
+    go on stepping."""
+    if rank == 1:
+        while not os.path.exists(done):
+            time.sleep(0.05)
+        return
+    try:
+        guard.state_dict()
+        raise AssertionError("state_dict() on rank 0 alone returned")
+    except lt.StalledRank as e:
+        assert str(e).startswith("lockstep guard: rank 1 did not call guard.state_dict() within "
+                                 "comm.train_timeout_seconds = 2 s"), str(e)
+    open(done, "w").close()
 
 
 def device(run_dir):
