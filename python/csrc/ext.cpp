@@ -19,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "check/gradcheck.h"
+#include "check/layout.h"
 #include "comm/c10d.h"
 #include "decide/exchange.h"
 #include "decide/exchange_plan.h"
@@ -411,6 +412,24 @@ void bind_step_types(py::module_& m) {
 }
 
 void bind_functions(py::module_& m) {
+  // check/layout.h: for each tensor, how many ranks hold each element this rank holds, from every
+  // rank's holdings ([tensor][rank] -> (mesh's group ranks, mesh shape, placement letters)).
+  m.def(
+      "element_holders",
+      [](const std::vector<std::string>& names,
+         const std::vector<std::vector<
+             std::tuple<std::vector<int>, std::vector<int64_t>, std::string>>>& holdings,
+         int rank) {
+        std::vector<std::vector<Holding>> h;
+        for (const auto& tensor : holdings) {
+          h.emplace_back();
+          for (const auto& [ranks, shape, placements] : tensor)
+            h.back().push_back({ranks, shape, placements});
+        }
+        return element_holders(names, h, rank);
+      },
+      py::arg("names"), py::arg("holdings"), py::arg("rank"));
+
   // The per-tensor actions decided on the device (optim/tensor_values.h): op 0 multiplies each
   // target by values[index] (1: untouched), op 1 zeroes it where that is 1.
   m.def(

@@ -216,11 +216,28 @@ def _grad_parts(params):
     if not any(dtensor):
         return grads, False
     for g in grads:
-        if not all(pl.is_shard() for pl in g.placements):
-            raise ValueError(f"a gradient of placements {g.placements} (not FSDP2's Shard): the "
-                             "guard checks each rank's shard once; replicated DTensor dimensions "
-                             "(HSDP, tensor parallel) are not supported yet")
+        if any(pl.is_partial() for pl in g.placements):
+            raise ValueError(f"a gradient of placements {g.placements} is Partial (not reduced "
+                             "yet); call guard.step after the gradients' reduction (FSDP2 "
+                             "reduces them in backward)")
     return [g._local_tensor for g in grads], True
+
+
+def _holding(p, group_ranks):
+    """Where this rank holds parameter `p` (check/layout.h's Holding): its device mesh's ranks
+    in the guard's group (row-major), the mesh's shape and a letter per mesh dimension (S: a
+    shard, strided too; R: replicated; P: partial)."""
+    mesh = p.device_mesh
+    ranks = []
+    for r in mesh.mesh.flatten().tolist():
+        if r not in group_ranks:
+            raise ConfigError(f"parameter on device mesh {mesh.mesh.tolist()}: rank {r} is not in "
+                              "the guard's process group; pass a process group that holds every "
+                              "rank of the model's meshes")
+        ranks.append(group_ranks.index(r))
+    letters = "".join("P" if pl.is_partial() else "R" if pl.is_replicate() else "S"
+                      for pl in p.placements)
+    return ranks, list(mesh.shape), letters
 
 
 @functools.lru_cache(maxsize=None)
@@ -366,6 +383,8 @@ class SkipGuard:
         except ConfigError as e:
             refused = str(e)
         self._agree(refused)
+        self._weights = self._layout()  # 1 / holders of each tensor's local elements, or None
+        self._weight_index = {}
         if self.run_dir:  # only for a valid config: a refused guard writes nothing
             os.makedirs(os.path.join(self.run_dir, "diagnostics"), exist_ok=True)
         self._step = 0
@@ -464,6 +483,56 @@ class SkipGuard:
             raise ConfigError("lockstep guard: the ranks' guards differ in " + "; ".join(differ) +
                               "; build the guard, its optimizer and model alike on every rank")
 
+    def _layout(self):
+        """Where every rank holds every DTensor parameter (one exchange at construction), and so
+        how many ranks hold each element this rank holds (lockstep's check/layout.h): on HSDP's
+        replicate dimension, or on the copies of a norm weight sharded over each tensor-parallel
+        rank's data-parallel submesh. Each rank checks its whole local piece and weighs its stats
+        by 1 / holders, so the world's norm and nonfinite count take every element once. None
+        where every element has one holder (FSDP2 on one mesh dimension, plain gradients)."""
+        if self.world == 1 or not any(hasattr(p, "device_mesh") for p in self.params):
+            return None
+        group_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        try:
+            mine, refused = [_holding(p, group_ranks) if hasattr(p, "device_mesh") else
+                             ([self.rank], [1], "R") for p in self.params], None
+        except ConfigError as e:
+            mine, refused = None, str(e)
+        every = [None] * self.world
+        dist.all_gather_object(every, (mine, refused), group=self.group)
+        holders = None
+        if not any(r for _, r in every):
+            try:
+                holdings = [[every[r][0][t] for r in range(self.world)]
+                            for t in range(len(self.params))]
+                holders = _C.element_holders(self.names, holdings, self.rank)
+            except ConfigError as e:
+                refused = str(e)
+        agreed = [None] * self.world  # a layout refused on any rank is refused on every rank
+        dist.all_gather_object(agreed, refused, group=self.group)
+        bad = [(r, e) for r, e in enumerate(agreed) if e] or \
+              [(r, e) for r, (_, e) in enumerate(every) if e]
+        if bad:
+            raise ConfigError(f"lockstep guard: rank {bad[0][0]}: {bad[0][1]}"
+                              f"{_and_others([r for r, _ in bad])}")
+        if all(h == 1 for h in holders):
+            return None
+        return torch.tensor([1.0 / h for h in holders], dtype=torch.float64, device=self.device)
+
+    def _weighed(self, stats, params):
+        """A check's stats over `params` with each tensor's count and sum of squares weighed by
+        1 / holders (see _layout), and the totals added again."""
+        key = tuple(map(id, params))
+        if key not in self._weight_index:
+            self._weight_index[key] = self._weights[
+                torch.tensor([self._index[id(p)] for p in params], device=self.device)]
+        head = _C.STATS_HEADER
+        out = stats.clone()
+        per = out[head:].view(-1, 2)
+        per.mul_(self._weight_index[key].unsqueeze(1))
+        out[:2] = per.sum(0)
+        return out
+
     def _refuse_harness_only(self):
         refusal = harness_only_refusal(self.config)
         if refusal:
@@ -519,7 +588,8 @@ class SkipGuard:
             length = total * (self.rank + 1) // self.world - offset
         key = ("shard", tuple(names), offset, length)
         check = self._checks.setdefault(key, _C.Check(names, offset, length))
-        return check.run(grads), grads
+        stats = check.run(grads)
+        return (stats if self._weights is None else self._weighed(stats, params)), grads
 
     def _misuse(self, loss, params, sample_ids, sample_losses):
         """This rank's mistake in this call, as (code, a, b) (code 0: none); see MISUSES."""

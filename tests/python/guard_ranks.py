@@ -7,7 +7,7 @@ host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
 Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, nan-weight, device, adagc,
-adagc-device, forms. Exit 0 and "ok" on success.
+adagc-device, forms, mesh. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -52,6 +52,43 @@ def fsdp_model():
         fully_shard(block)
     fully_shard(m)
     return m
+
+
+def mesh_model(layout):
+    """model() on a 2-D mesh of 4 ranks: HSDP (FSDP2 over a (replicate 2, shard 2) mesh), or
+    FSDP x TP (Megatron's column/row pairs in each block over "tp", FSDP2 over "dp": the norms
+    and embeddings are sharded over each TP rank's dp submesh, copies of each other). Returns
+    the model and this rank's data-parallel rank (TP ranks read the same batch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    m = model()
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        for block in m.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m, dist.get_rank()
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    col, row = ColwiseParallel(), RowwiseParallel()
+    for block in m.layers:
+        parallelize_module(block, mesh["tp"], {"wq": col, "wk": col, "wv": col, "wo": row,
+                                               "w1": col, "w3": col, "w2": row})
+        block.heads //= 2  # each TP rank its heads
+        block.kv_heads //= 2
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    return m, mesh["dp"].get_local_rank()
+
+
+def reference_norm(m):
+    """The whole model's gradient norm in fp64, each element once (DTensor.full_tensor())."""
+    total = 0.0
+    for p in m.parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        total += g.double().pow(2).sum().item()
+    return total ** 0.5
 
 
 def batch(step, rank):
@@ -467,6 +504,40 @@ def state_on_rank0_only(guard, rank, done):
     open(done, "w").close()
 
 
+def mesh(run_dir):
+    """On 4 ranks, HSDP and FSDP x TP: the guard's norm equals the fp64 norm of the whole
+    model's gradient (each element once) within 1e-6 at every step; a NaN planted after the
+    reduction in one copy only of a norm weight (rank 1: tp 1's copy; HSDP: replica 1) is caught
+    and skipped on every rank with the parameters and moments bitwise untouched, its count a
+    fraction (the copies disagree)."""
+    rank = dist.get_rank()
+    for layout in ("hsdp", "fsdp-tp"):
+        m, data_rank = mesh_model(layout)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        guard = lt.SkipGuard(opt, SKIP, run_dir=os.path.join(run_dir, layout), model=m,
+                             training_max_norm=0.0)
+        norm = dict(m.named_parameters())["layers.0.ffn_norm.weight"]
+        for step in range(1, 9):
+            opt.zero_grad(set_to_none=True)
+            loss, _, _ = forward_backward(m, step, data_rank, None, {})
+            if step == 6 and rank == 1:
+                norm.grad._local_tensor[0] = float("nan")
+            want = reference_norm(m)
+            before = snapshot(m, opt)
+            v = guard.step(loss)
+            if step == 6:
+                assert v.decision == "skip" and "nonfinite_grad" in v.reasons, (layout, v)
+                assert 0 < v.nonfinite < 1, (layout, v.nonfinite)  # one copy of two holds it
+                assert bitwise_equal(before, snapshot(m, opt)), f"{layout}: the skip stepped"
+            else:
+                assert v.decision == "step", (layout, step, v.decision, v.reasons)
+                assert abs(v.grad_norm - want) <= 1e-6 * want, (layout, step, v.grad_norm, want)
+        agreed([layout, guard.counters["skipped_steps"]])
+        guard.close()
+        del m, opt, guard
+        gc.collect()
+
+
 def device(run_dir):
     """Fused AdamW: the device path (found_inf, grad_scale; read a step late) and the host path
     take the same decisions and end at the same bits (no clip: grad_scale is 1)."""
@@ -555,7 +626,7 @@ def main():
     dist.barrier()
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
-         "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse,
+         "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse, "mesh": mesh,
          "agree": agree, "stall": stall, "nan-weight": nan_weight,
          "adagc": adagc, "adagc-device": adagc_device, "forms": forms}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)

@@ -21,11 +21,16 @@
 
 namespace lockstep::core {
 
+// Nonfinite counts travel in units of 2^-20 of an element: a rank holding one of several copies
+// of an element weighs its count by 1 / holders (check/layout.h), which adds up exactly for a
+// power-of-two number of holders; whole counts are exact below 2^43 elements.
+constexpr double kCountUnits = 1048576.0;
+
 // The added part: every field an int64, so the whole struct is one int64 tensor to all-reduce.
 struct RecordSums {
   ExactSum shard_sumsq;  // of every rank's shard: the global norm
   ExactSum loss;         // of the contributing (not dropped) ranks' losses
-  int64_t nonfinite;     // gradient elements
+  int64_t nonfinite;     // gradient elements, in kCountUnits
   int64_t overflow_runs;
   int64_t stops;        // ranks asking to stop (stop_requested != 0)
   int64_t interrupts;   // ranks whose step a stop cut short (stop_requested >= 2)
@@ -87,7 +92,7 @@ LOCKSTEP_HD inline void record_contribution(const double* row, bool dropped, con
   if (!dropped) exact_add(s.loss, row[kLoss]);
   exact_normalize(s.shard_sumsq);  // each digit below 2^32: room for 2^31 ranks
   exact_normalize(s.loss);
-  s.nonfinite = static_cast<int64_t>(row[kShardNonfinite]);
+  s.nonfinite = static_cast<int64_t>(row[kShardNonfinite] * kCountUnits + 0.5);
   s.overflow_runs = static_cast<int64_t>(row[kOverflowRuns]);
   s.stops = row[kStopRequested] != 0 ? 1 : 0;
   s.interrupts = row[kStopRequested] >= 2 ? 1 : 0;
@@ -143,7 +148,7 @@ LOCKSTEP_HD inline bool score_record(const StepRecord& all, int world, int64_t b
                                      const BeforeSync& before, DecideResult& out) {
   const RecordSums& t = all.sums;
   Global g;
-  g.nonfinite = static_cast<double>(t.nonfinite);
+  g.nonfinite = static_cast<double>(t.nonfinite) / kCountUnits;
   g.overflow_runs = static_cast<double>(t.overflow_runs);
   g.stop = t.stops > 0;
   g.interrupted = t.interrupts > 0;
