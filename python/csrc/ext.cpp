@@ -112,12 +112,12 @@ class Core {
   Core(const std::string& toml_text, const std::string& origin,
        const std::vector<Override>& overrides, int rank, int world,
        std::vector<std::string> names, const std::string& run_dir, const std::string& host,
-       const std::string& device)
+       const std::string& device, std::vector<std::string> places)
       : config_(load_config(toml_text, origin, overrides)),
         world_(world),
         n_tensors_(static_cast<int64_t>(names.size())),
         names_(std::move(names)),
-        where_{rank, world, host, device, "pytorch"},
+        where_{rank, world, host, device, "pytorch", false, std::move(places)},
         run_dir_(run_dir) {
     counters_.world_size = world;
     judge_ = make_judge();
@@ -388,10 +388,10 @@ void bind_step_types(py::module_& m) {
   py::class_<Core>(m, "Core")
       .def(py::init<const std::string&, const std::string&, const std::vector<Override>&, int, int,
                     std::vector<std::string>, const std::string&, const std::string&,
-                    const std::string&>(),
+                    const std::string&, std::vector<std::string>>(),
            py::arg("toml_text"), py::arg("origin"), py::arg("overrides"), py::arg("rank"),
            py::arg("world"), py::arg("names"), py::arg("run_dir"), py::arg("host"),
-           py::arg("device"))
+           py::arg("device"), py::arg("places") = std::vector<std::string>{})
       .def("config_json", &Core::config_json)
       .def("plan", &Core::plan, py::arg("on_gpu"), py::arg("host_exchange"), py::arg("fused"))
       .def("exchange_records_over", &Core::exchange_records_over, py::arg("group_name"),

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 try:
     from . import _C
+    from .mesh import MeshPlaces, PipelineLoss
 except ImportError as e:  # the package's C++ part is built by pip, not shipped in the source
     raise ImportError(
         f"lockstep._C is not built ({e}); install the package with `pip install "
@@ -124,6 +125,12 @@ MISUSES = {
     8: "called guard.step again without a new backward (none of its {a:.0f} gradients changed "
        "since guard step {b:.0f}); call loss.backward() before each guard.step (a second step "
        "would apply the same gradient twice and shift the step counter)",
+    9: "passed no loss on pipeline stage {a:.0f}, the stage that computes its pipeline's loss "
+       "(it passed it at the first step); pass the loss there at every step",
+    10: "passed a loss on pipeline stage {a:.0f}, where stage {b:.0f} computes its pipeline's "
+        "loss; pass None on the stages without the loss (the guard sends them the loss)",
+    11: "found {a:.0f} pipeline stages passing a loss in its pipeline; pass the loss on the stage "
+        "that computes it (the last, or stage 0 of a V-shaped schedule) and None on the others",
 }
 _MISUSE_COLUMNS = 3  # the code, then its two numbers
 
@@ -361,10 +368,13 @@ class SkipGuard:
     model: names the parameters in events (named_parameters); ddp: a DistributedDataParallel
         whose comm hook checks each rank's own gradient before the all-reduce (culprit ranks).
     scheduler: stepped as lr_scheduler.on_skip says ("advance": every step, "hold": updates).
+    mesh: the job's whole DeviceMesh (torchtitan's world_mesh): events name each rank by its
+        coordinates, and a dimension named "pp" holds pipeline stages (lockstep/mesh.py: each
+        stage's ranks agree on their parameters; guard.step(None) where a stage has no loss).
     """
 
     def __init__(self, optimizer, config=None, process_group=None, run_dir=None, *, model=None,
-                 ddp=None, scheduler=None, **overrides):
+                 ddp=None, scheduler=None, mesh=None, **overrides):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.group = process_group
@@ -377,6 +387,7 @@ class SkipGuard:
         self.names = [names.get(id(p), f"param_groups.{i}") for i, p in enumerate(self.params)]
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.places = MeshPlaces(mesh, process_group, self.rank, self.world)
         try:  # a setting refused on one rank is refused on every rank (none waits for it)
             self._settings(config, overrides)
             refused = None
@@ -398,6 +409,8 @@ class SkipGuard:
         self._epoch = None  # the scheduler's last_epoch after the guard's last step
         self._inside = False  # the guard's own optimizer.step() is running
         self._exchange_group = self._group_with_timeout()
+        self._pipeline = PipelineLoss(self.places, self.config["comm"]["train_timeout_seconds"],
+                                      self.device) if self.places.pipelined else None
         self._my_sums = None  # this rank's per-tensor sums, gathered on the steps that need them
         if self._record:  # one fixed-size record a step, every rank's row only on a step to explain
             self.core.exchange_records_over(self._exchange_group.group_name, self._stage())
@@ -420,7 +433,8 @@ class SkipGuard:
         elif config is not None and not isinstance(config, dict):
             raise ConfigError(f"config: {type(config).__name__}; expected a TOML file path or a dict")
         self.core = _C.Core(text, origin, _overrides(config, overrides), self.rank, self.world,
-                            self.names, self.run_dir, socket.gethostname(), str(self.device))
+                            self.names, self.run_dir, socket.gethostname(), str(self.device),
+                            self.places.text if self.places.names else [])
         self.config = json.loads(self.core.config_json())
         self._refuse_harness_only()
         self._tensors = self.core.tensors_active()  # AdaGC's clip, SPAM's reset
@@ -452,6 +466,7 @@ class SkipGuard:
                   for n, p in zip(self.names, self.params)]
         out["parameters"] = f"{len(shapes)} tensors, digest {_digest(chr(10).join(shapes))}"
         out["world_size"] = dist.get_world_size() if self.world > 1 else 1
+        out["mesh"] = self.places.describe()
         out["lockstep build"] = _build_id()
         out["torch"] = torch.__version__
         return out, shapes
@@ -471,17 +486,25 @@ class SkipGuard:
         if bad:
             raise ConfigError(f"lockstep guard: rank {bad[0][0]}: {bad[0][1]}"
                               f"{_and_others([r for r, _ in bad])}")
+        # the parameters: alike within a pipeline stage (the first rank of each is its reference)
+        first = {s: self.places.stage_of.index(s) for s in set(self.places.stage_of)}
+        ref = [every[first[s]] for s in self.places.stage_of]
         differ = []
         for key in every[0]["values"]:
             values = [e["values"].get(key) for e in every]
-            if any(v != values[0] for v in values):
-                if key == "parameters":
-                    values = [_first_difference(e["shapes"], every[0]["shapes"]) or v
-                              for e, v in zip(every, values)]
-                differ.append(f"'{key}': " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
+            if key == "parameters" and any(v != f["values"][key] for v, f in zip(values, ref)):
+                values = [_first_difference(e["shapes"], f["shapes"]) or v
+                          for e, f, v in zip(every, ref, values)]
+            elif key == "parameters" or all(v == values[0] for v in values):
+                continue
+            differ.append(f"'{key}': " + ", ".join(f"rank {r} {v}" for r, v in enumerate(values)))
         if differ:
+            stages = "" if self.places.pipelined else (
+                " (pipeline stages hold different parameters: pass mesh=, whose 'pp' dimension "
+                "says which ranks share a stage)")
             raise ConfigError("lockstep guard: the ranks' guards differ in " + "; ".join(differ) +
-                              "; build the guard, its optimizer and model alike on every rank")
+                              "; build the guard, its optimizer and model alike on every rank" +
+                              (stages if any(d.startswith("'parameters'") for d in differ) else ""))
 
     def _layout(self):
         """Where every rank holds every DTensor parameter (one exchange at construction), and so
@@ -503,8 +526,9 @@ class SkipGuard:
         holders = None
         if not any(r for _, r in every):
             try:
-                holdings = [[every[r][0][t] for r in range(self.world)]
-                            for t in range(len(self.params))]
+                stage_of = self.places.stage_of  # another pipeline stage holds none of these
+                holdings = [[every[r][0][t] if stage_of[r] == stage_of[self.rank] else ([], [], "")
+                             for r in range(self.world)] for t in range(len(self.params))]
                 holders = _C.element_holders(self.names, holdings, self.rank)
             except ConfigError as e:
                 refused = str(e)
@@ -577,15 +601,17 @@ class SkipGuard:
     # ---- the step ------------------------------------------------------------------------------
     def _shard_stats(self, params):
         """Check [B]: the gradient this rank owns. Shards (FSDP2) whole; whole gradients (DDP,
-        one process) in W parts of their concatenation, part `rank` here."""
+        one process) in parts of their concatenation, one per rank of this rank's pipeline stage
+        (the world without pipelining), its own part here."""
         grads, sharded = _grad_parts(params)
         names = [self.names[self._index[id(p)]] for p in params]
-        if sharded or self.world == 1:
+        part, parts = self.places.replicas(self.rank)
+        if sharded or parts == 1:
             offset, length = 0, -1
         else:
             total = sum(g.numel() for g in grads)
-            offset = total * self.rank // self.world
-            length = total * (self.rank + 1) // self.world - offset
+            offset = total * part // parts
+            length = total * (part + 1) // parts - offset
         key = ("shard", tuple(names), offset, length)
         check = self._checks.setdefault(key, _C.Check(names, offset, length))
         stats = check.run(grads)
@@ -594,7 +620,7 @@ class SkipGuard:
     def _misuse(self, loss, params, sample_ids, sample_losses):
         """This rank's mistake in this call, as (code, a, b) (code 0: none); see MISUSES."""
         if not torch.is_tensor(loss):
-            return 1, 0, 0
+            return 1, 0, 0  # (None on a pipeline stage without the loss: replaced before)
         if loss.numel() != 1:
             return 7, loss.numel(), 0
         if not params:
@@ -648,11 +674,14 @@ class SkipGuard:
         if self.world == 1:
             return row.reshape(1, -1)
         table = torch.empty(self.world * row.numel(), dtype=row.dtype, device=row.device)
+        self._gather(table, row, self._exchange_group)
+        return table.reshape(self.world, -1)
+
+    def _gather(self, into, row, group):
         try:
-            _all_gather_single(table, row, group=self._exchange_group)
+            _all_gather_single(into, row, group=group)
         except RuntimeError as e:  # a rank did not come (Gloo raises; NCCL's watchdog aborts)
             raise self._stalled(e) from None
-        return table.reshape(self.world, -1)
 
     def _roll_call(self, what):
         """Every rank of the exchange group that reached `what` says so in the job's store, then
@@ -690,9 +719,10 @@ class SkipGuard:
         """Every rank's sample ids and losses, exchanged on anomalous steps only (every rank
         knows the step is anomalous: the verdict is agreed)."""
         table = _C.SampleTable()
-        if not v.anomalous or sample_ids is None:
+        others = self._pipeline is not None and self._pipeline.samples  # its last stage's
+        if not v.anomalous or (sample_ids is None and not others):
             return table
-        mine = (list(map(int, sample_ids)), list(map(float, sample_losses)))
+        mine = (list(map(int, sample_ids or [])), list(map(float, sample_losses or [])))
         every = [mine]
         if self.world > 1:
             every = [None] * self.world
@@ -740,7 +770,12 @@ class SkipGuard:
         anomalous step exchanges them); `stop`: this rank asks all to stop (the verdict's
         `stop` is agreed)."""
         params = [p for p in self.params if p.grad is not None]
-        misuse = self._misuse(loss, params, sample_ids, sample_losses)
+        misuse = (0, 0, 0)
+        if self._pipeline is not None:  # the loss from the stage that has it
+            loss, misuse = self._pipeline.exchange(loss, sample_losses is not None, self._gather)
+        misuse = misuse if misuse[0] else self._misuse(loss, params, sample_ids, sample_losses)
+        if loss is None:  # a misuse row: zeros
+            loss = torch.zeros((), dtype=torch.float64, device=self.device)
         row, mine, grads = self._measure(loss, params, misuse, sample_losses, stop)
         whole, codes, v = self._exchange_step(row)
         table = whole[..., :len(_C.STATS_FIELDS)]

@@ -35,7 +35,8 @@ StepJudge::StepJudge(const Config& c, const SkipConfig& skip, std::vector<NamedT
     : detector_(skip, c.training, where.world, where.record_form ? where.rank : -1),
       tensors_(c.skip, std::move(tensors), comm),
       explainer_(c.skip, c.diagnostics.top_params, where.rank, std::move(grads),
-                 std::move(where.host), std::move(where.device), std::move(where.loop)),
+                 std::move(where.host), std::move(where.device), std::move(where.loop),
+                 std::move(where.places)),
       world_(where.world),
       rank_(where.rank) {}
 

@@ -50,6 +50,9 @@ class StepJudge {
     std::string host, device;
     std::string loop = "lockstep";  // whose loop the events speak to (explain.h)
     bool record_form = false;       // skip.exchange: the detector holds this rank's windows only
+    // each rank's place in the device mesh ("pp 1, dp 0, tp 1"); empty: no mesh (events name
+    // ranks by number only)
+    std::vector<std::string> places;
   };
   // `skip`: the config's, with the trainer's token guard folded in (job.cpp); `grads` names the
   // checks' tensors in order (events), `tensors` the per-tensor policies' (check [B]'s);

@@ -75,6 +75,7 @@ json event_summary(int64_t step, const std::map<int64_t, json>& ranks) {
   for (const auto& [r, e] : ranks) {
     const json& row = e["ranks"].size() > static_cast<size_t>(r) ? e["ranks"][r] : json::object();
     per_rank.push_back({{"rank", r},
+                        {"place", e["local"].value("place", "")},
                         {"host", e["local"]["host"]},
                         {"device", e["local"]["device"]},
                         {"fault", e["local"]["fault"]},
@@ -130,6 +131,20 @@ json suspects_table(const json& events) {
   return out;
 }
 
+// Rank r's coordinates in the device mesh as its events say them ("" without a mesh).
+std::string place_of(const json& events, int64_t r) {
+  for (const auto& ev : events)
+    for (const auto& pr : ev["per_rank"])
+      if (pr["rank"].get<int64_t>() == r && !pr.value("place", "").empty())
+        return pr["place"].get<std::string>();
+  return "";
+}
+
+// "5" or "5 (pp 1, dp_shard 0, tp 1)".
+std::string rank_named(int64_t r, const std::string& place) {
+  return place.empty() ? std::to_string(r) : fmt::format("{} ({})", r, place);
+}
+
 // Culprit events and reasons per rank.
 json rank_tally(const json& events, int64_t world) {
   json tally = json::array();
@@ -142,7 +157,8 @@ json rank_tally(const json& events, int64_t world) {
           ++n;
           for (const auto& reason : ev["reasons"]) reasons[reason.get<std::string>()] += 1;
         }
-    tally.push_back({{"rank", r}, {"culprit_in", n}, {"reasons", reasons}});
+    tally.push_back({{"rank", r}, {"place", place_of(events, r)}, {"culprit_in", n},
+                     {"reasons", reasons}});
   }
   return tally;
 }
@@ -275,7 +291,8 @@ std::string culprit_line(const json& pr, const json& thresholds) {
   if (!pr.value("own_checked", true))  // FSDP2: no gradient of its own to show, its loss only
     return fmt::format("             rank {}: loss {}; its own gradient is not checked (combined "
                        "across ranks before the check); top parameters of its shard: {}\n",
-                       pr["rank"].get<int64_t>(), num(pr["loss"]),
+                       rank_named(pr["rank"].get<int64_t>(), pr.value("place", "")),
+                       num(pr["loss"]),
                        params.empty() ? "-" : fmt::format("{}", fmt::join(params, ", ")));
   std::string z;
   if (pr["grad_norm_z"].is_number() || pr["loss_z"].is_number())
@@ -284,7 +301,8 @@ std::string culprit_line(const json& pr, const json& thresholds) {
                     z_vs(pr["loss_z"], thresholds["loss_zscore"]));
   return fmt::format("             rank {}: loss {}, own grad norm {}, {} nonfinite{}{}; top "
                      "parameters: {}\n",
-                     pr["rank"].get<int64_t>(), num(pr["loss"]), num(pr["grad_norm"]),
+                     rank_named(pr["rank"].get<int64_t>(), pr.value("place", "")),
+                     num(pr["loss"]), num(pr["grad_norm"]),
                      num(pr["nonfinite"], "{:.0f}"), z,
                      pr["fault"].get<std::string>().empty()
                          ? ""
@@ -310,12 +328,19 @@ std::string ids_line(const std::string& title, const json& tally) {
 std::string format_event(const json& ev) {
   const auto reasons = ev["reasons"].get<std::vector<std::string>>();
   const auto culprits = ev["culprit_ranks"].get<std::vector<int64_t>>();
+  std::vector<std::string> named;
+  for (int64_t c : culprits) {
+    std::string place;
+    for (const auto& pr : ev["per_rank"])
+      if (pr["rank"].get<int64_t>() == c) place = pr.value("place", "");
+    named.push_back(rank_named(c, place));
+  }
   std::string out = fmt::format(
       "step {:>7}  {:<7}  {:<32}  grad_norm {:<9}  nonfinite {:<8}  loss {:<9}  culprit rank {}\n",
       ev["step"].get<int64_t>(), ev["decision"].get<std::string>(),
       fmt::format("{}", fmt::join(reasons, ",")), num(ev["global"]["grad_norm"]),
       num(ev["global"]["nonfinite"], "{:.0f}"), num(ev["global"]["loss"]),
-      culprits.empty() ? std::string("none") : fmt::format("{}", fmt::join(culprits, ",")));
+      culprits.empty() ? std::string("none") : fmt::format("{}", fmt::join(named, ", ")));
   const std::string scope = ev["scope"].get<std::string>(), cause = ev["cause"].get<std::string>();
   if (!scope.empty())
     out += fmt::format("             scope {}, cause {}{}\n", scope,
@@ -363,7 +388,8 @@ std::string format_diagnosis(const json& d) {
     std::vector<std::string> parts;
     for (const auto& [reason, c] : r["reasons"].items())
       parts.push_back(fmt::format("{} {}", reason, c.get<int64_t>()));
-    out += fmt::format("  rank {}: culprit in {} event(s){}\n", r["rank"].get<int64_t>(),
+    out += fmt::format("  rank {}: culprit in {} event(s){}\n",
+                       rank_named(r["rank"].get<int64_t>(), r.value("place", "")),
                        r["culprit_in"].get<int64_t>(),
                        parts.empty() ? "" : fmt::format(" ({})", fmt::join(parts, ", ")));
   }

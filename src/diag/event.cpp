@@ -29,6 +29,7 @@ json to_json(const Event::RankRow& r) {
   }
   if (!r.params_crc32.empty()) j["params_crc32"] = r.params_crc32;
   if (!r.optimizer_crc32.empty()) j["optimizer_crc32"] = r.optimizer_crc32;
+  if (!r.place.empty()) j["place"] = r.place;
   return j;
 }
 
@@ -47,6 +48,7 @@ Event::RankRow row_from_json(const json& j) {
     r.reasons = reason_bits(j.value("reasons", std::vector<std::string>{}));
     r.dropped = j.value("dropped", false);
   }
+  r.place = j.value("place", "");
   r.params_crc32 = j.value("params_crc32", "");
   r.optimizer_crc32 = j.value("optimizer_crc32", "");
   return r;
@@ -61,12 +63,14 @@ json to_json(const Event::Local& l) {
                       {"finite_norm", json_number(p.finite_norm)}});
   json losses = json::array();
   for (double v : l.sample_losses) losses.push_back(json_number(v));
-  return {{"loss", json_number(l.loss)},           {"grad_norm", json_number(l.grad_norm)},
+  json j = {{"loss", json_number(l.loss)},           {"grad_norm", json_number(l.grad_norm)},
           {"finite_norm", json_number(l.finite_norm)}, {"nonfinite", l.nonfinite},
           {"fault", l.fault},                       {"sample_ids", l.sample_ids},
           {"sample_losses", losses},                {"top_params_scope", l.top_params_scope},
           {"top_params", params},                   {"host", l.host},
           {"device", l.device}};
+  if (!l.place.empty()) j["place"] = l.place;  // written under a device mesh only
+  return j;
 }
 
 json to_json(const Event::Replay& r) {
@@ -119,6 +123,7 @@ Event::Local local_from_json(const json& j) {
   l.top_params_scope = j.at("top_params_scope").get<std::string>();
   l.host = j.value("host", "");
   l.device = j.value("device", "");
+  l.place = j.value("place", "");
   for (const auto& p : j.at("top_params"))
     l.top_params.push_back({p.at("name").get<std::string>(), p.at("nonfinite").get<int64_t>(),
                             number_from_json(p.at("norm")),

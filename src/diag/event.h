@@ -47,6 +47,7 @@ struct Event {
     std::string top_params_scope;  // "local" (check [A]) or "shard" (check [B])
     std::vector<Param> top_params;
     std::string host, device;  // where this rank ran (a hardware suspect's address)
+    std::string place;         // its coordinates in the device mesh ("pp 1, tp 0"; "": none)
   };
   struct RankRow {  // one row of the agreed per-rank table
     int rank = 0;
@@ -57,6 +58,7 @@ struct Event {
     uint32_t reasons = 0;                       // ... and why it stands out (core::Reason)
     bool dropped = false;                       // a salvage left its contribution out
     std::string params_crc32, optimizer_crc32;  // desync events only
+    std::string place;                          // its coordinates in the device mesh
   };
   struct Replay {  // one recomputation of a rank's batch (skip.replay, the probe)
     int rank = 0, by_rank = 0;

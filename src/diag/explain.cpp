@@ -19,10 +19,18 @@ std::string brief_ids(const std::vector<int64_t>& ids) {
                      ids.size());
 }
 
-std::string culprits_text(const std::vector<int>& culprits) {
-  if (culprits.empty()) return "culprit rank unknown";
-  return fmt::format("culprit rank{} {}", culprits.size() > 1 ? "s" : "",
-                     fmt::join(culprits, ", "));
+// "rank 5" or, under a device mesh, "rank 5 (pp 1, dp_shard 0, tp 1)".
+std::string rank_text(const Event& e, int rank) {
+  for (const auto& row : e.ranks)
+    if (row.rank == rank && !row.place.empty()) return fmt::format("{} ({})", rank, row.place);
+  return std::to_string(rank);
+}
+
+std::string culprits_text(const Event& e) {
+  if (e.culprit_ranks.empty()) return "culprit rank unknown";
+  std::vector<std::string> named;
+  for (int r : e.culprit_ranks) named.push_back(rank_text(e, r));
+  return fmt::format("culprit rank{} {}", named.size() > 1 ? "s" : "", fmt::join(named, ", "));
 }
 
 // How many ranks' own values stand out in the event's table (the core's finding per rank).
@@ -32,11 +40,13 @@ int64_t elevated_ranks(const Event& e) {
   return elevated;
 }
 
-std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, const Verdict& v) {
+std::vector<Event::RankRow> rank_rows(const std::vector<RankStats>& table, const Verdict& v,
+                                      const std::vector<std::string>& places) {
   std::vector<Event::RankRow> rows;
   for (size_t r = 0; r < table.size(); ++r) {
     Event::RankRow row;
     row.rank = static_cast<int>(r);
+    if (r < places.size()) row.place = places[r];
     row.loss = table[r].loss;
     row.local_grad_norm = norm_of(table[r].local_nonfinite, table[r].local_sumsq) / v.loss_scale;
     row.local_nonfinite = static_cast<int64_t>(table[r].local_nonfinite);
@@ -142,14 +152,15 @@ std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
 
 Explainer::Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
                      std::vector<NamedTensor> grads, std::string host, std::string device,
-                     std::string loop)
+                     std::string loop, std::vector<std::string> places)
     : thresholds_(thresholds),
       top_params_(top_params),
       rank_(rank),
       grads_(std::move(grads)),
       host_(std::move(host)),
       device_(std::move(device)),
-      loop_(std::move(loop)) {}
+      loop_(std::move(loop)),
+      places_(std::move(places)) {}
 
 Event Explainer::event(const RunCounters& after, const RankStep& mine, const Verdict& v,
                        const std::vector<RankStats>& table,
@@ -185,7 +196,8 @@ Event Explainer::event(const RunCounters& after, const RankStep& mine, const Ver
              top_params(grads_, own, top_params_, scale),
              host_,
              device_};
-  e.ranks = rank_rows(table, v);
+  e.ranks = rank_rows(table, v, places_);
+  if (static_cast<size_t>(rank_) < places_.size()) e.local.place = places_[rank_];
   // With no check of each rank's own gradient (FSDP2, or diagnostics.local_check off) the ranks'
   // gradients were mixed before any check: a global verdict no rank's own values explain says
   // nothing of the cause.
@@ -224,7 +236,7 @@ std::string scope_text(const Event& e) {
                                     : std::string("no rank stands out alone"));
   }
   std::string out = (e.scope == core::kNoScope ? "" : std::string(scope_name(e.scope)) + ": ") +
-                    culprits_text(e.culprit_ranks);
+                    culprits_text(e);
   if (!e.cause.empty()) out += " (cause " + e.cause + ")";
   if (!e.hardware_suspects.empty())
     out += fmt::format("; device of rank {} suspect, see `lockstep diag`",

@@ -58,10 +58,11 @@ std::vector<Event::Param> top_params(const std::vector<NamedTensor>& grads,
 class Explainer {
  public:
   // `grads` names the tensors of the checks' per-tensor stats; `loop` is whose loop the events
-  // speak to: "lockstep" (its trainer's keys) or "pytorch" (the guard's keywords, your loader).
+  // speak to: "lockstep" (its trainer's keys) or "pytorch" (the guard's keywords, your loader);
+  // `places`: each rank's place in the device mesh (events and lines name ranks by it).
   Explainer(const SkipConfig& thresholds, int64_t top_params, int rank,
             std::vector<NamedTensor> grads, std::string host, std::string device,
-            std::string loop = "lockstep");
+            std::string loop = "lockstep", std::vector<std::string> places = {});
 
   // The event of an anomalous step; `after` holds the run's counters as it leaves them (its
   // step, 1-based, among them); `detector` has not recorded it yet.
@@ -75,6 +76,7 @@ class Explainer {
   int rank_;
   std::vector<NamedTensor> grads_;
   std::string host_, device_, loop_;
+  std::vector<std::string> places_;
 };
 
 // "step 120: SKIP (nonfinite_grad) | grad_norm nan, ... | culprit rank 1 | samples [...] | ..."

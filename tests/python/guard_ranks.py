@@ -7,7 +7,7 @@ host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
 Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, nan-weight, device, adagc,
-adagc-device, forms, mesh. Exit 0 and "ok" on success.
+adagc-device, forms, mesh, pipeline. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -538,6 +538,105 @@ def mesh(run_dir):
         gc.collect()
 
 
+class Stage(torch.nn.Module):
+    """Pipeline stage `stage` of 2 of model(): the embedding and block 0, or block 1, the norm
+    and the output (torchtitan's split: the blocks keep their names, layers.<i>)."""
+
+    def __init__(self, full, stage):
+        super().__init__()
+        first, last = stage == 0, stage == 1
+        self.tok_embeddings = full.tok_embeddings if first else None
+        self.layers = torch.nn.ModuleDict({str(stage): full.layers[stage]})
+        self.norm, self.output = (full.norm, full.output) if last else (None, None)
+        self.register_buffer("cos", full.cos, persistent=False)
+        self.register_buffer("sin", full.sin, persistent=False)
+
+    def forward(self, x):
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, self.cos[:SEQ], self.sin[:SEQ])
+        return x if self.output is None else self.output(self.norm(x))
+
+
+def pipeline_model(skip=SKIP, **overrides):
+    """model() in 2 pipeline stages x FSDP2 over 2 data-parallel ranks (a (pp, dp) mesh of 4),
+    scheduled by torch.distributed.pipelining's GPipe with 2 micro-batches: the stage module,
+    its schedule, the mesh and a guard over the whole mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh["pp"].get_local_rank()
+    m = Stage(model(), stage)
+    for block in m.layers.values():
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    pipe = PipelineStage(m, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+
+    def loss_fn(logits, y):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+    schedule = ScheduleGPipe(pipe, n_microbatches=2, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    guard = lt.SkipGuard(opt, skip, model=m, mesh=mesh, training_max_norm=0.0, **overrides)
+    return m, schedule, opt, guard, mesh
+
+
+def pipeline(run_dir):
+    """On 4 ranks, 2 pipeline stages x FSDP2: the stage without the loss passes None; the
+    guard's norm equals the fp64 norm of the whole model (both stages, each element once)
+    within 1e-6 at every step, its loss the last stage's; a NaN planted in stage 0's gradient
+    on one rank is skipped by both stages with parameters and moments bitwise untouched; a NaN
+    loss on one pipeline's last stage names both of its stages' ranks by their place in the
+    mesh (events, `lockstep diag`); a guard whose config differs on a rank of stage 1 is refused
+    on every rank by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+    rank = dist.get_rank()
+    probe = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_one = probe["pp"].get_local_rank() == 1
+    refused_everywhere(["differ in 'skip.loss_zscore': rank 0 12.0, rank 1 12.0, rank 2 12.0, "
+                        "rank 3 9.0"], lambda: pipeline_model(
+                            {"skip": {**SKIP["skip"], "loss_zscore": 9.0 if rank == 3 else 12.0}}))
+    m, schedule, opt, guard, mesh = pipeline_model(run_dir=run_dir)
+    assert guard.places.stage == mesh["pp"].get_local_rank()
+    data_rank, pp = mesh["dp"].get_local_rank(), mesh["pp"].get_group()
+    named = dict(m.named_parameters())
+    for step in range(1, 11):
+        opt.zero_grad(set_to_none=True)
+        x, y, _ = batch(step, data_rank)
+        losses = []
+        schedule.step(x, target=y, losses=losses) if stage_one else schedule.step(x)
+        loss = torch.stack(losses).mean() if stage_one else None
+        if step == 8 and rank == 3:  # the last stage of data-parallel rank 1: a NaN loss
+            loss = loss * float("nan")
+        if step == 6 and rank == 1:  # stage 0, data-parallel rank 1: its shard of block 0's wq
+            named["layers.0.wq.weight"].grad._local_tensor[0, 0] = float("nan")
+        want = torch.tensor([reference_norm(m) ** 2], dtype=torch.float64)
+        dist.all_reduce(want, group=pp)  # the stages' squares added: the whole model's
+        want = want.item() ** 0.5
+        before = snapshot(m, opt)
+        v = guard.step(loss)
+        if step == 6:
+            assert v.decision == "skip" and "nonfinite_grad" in v.reasons, v
+            # after FSDP2's reduce-scatter: no rank's own gradient to blame (see docs/pytorch.md)
+            assert v.nonfinite == 1 and list(v.culprit_ranks) == [], (v.nonfinite, v)
+            assert bitwise_equal(before, snapshot(m, opt)), "the skip stepped"
+        elif step == 8:  # pipeline dp 1's loss: both of its stages' rows carry it
+            assert v.decision == "skip" and list(v.culprit_ranks) == [1, 3], v
+        else:
+            assert v.decision == "step", (step, v.decision, v.reasons)
+            assert abs(v.grad_norm - want) <= 1e-6 * want, (step, v.grad_norm, want)
+        agreed([step, v.decision, summary(v)[3]])
+    assert guard.skipped_steps == 2 and guard.optimizer_steps == 8, guard.counters
+    guard.close()
+    binary = os.environ.get("LOCKSTEP_BIN")
+    if rank == 0 and binary:  # the culprit by its place in the mesh
+        out = subprocess.run([binary, "diag", run_dir], check=True, capture_output=True,
+                             text=True).stdout
+        assert "culprit rank 1 (pp 0, dp 1), 3 (pp 1, dp 1)" in out and \
+            "rank 3 (pp 1, dp 1): culprit in 1 event(s)" in out, out
+
+
 def device(run_dir):
     """Fused AdamW: the device path (found_inf, grad_scale; read a step late) and the host path
     take the same decisions and end at the same bits (no clip: grad_scale is 1)."""
@@ -627,7 +726,7 @@ def main():
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
          "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse, "mesh": mesh,
-         "agree": agree, "stall": stall, "nan-weight": nan_weight,
+         "agree": agree, "stall": stall, "pipeline": pipeline, "nan-weight": nan_weight,
          "adagc": adagc, "adagc-device": adagc_device, "forms": forms}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
