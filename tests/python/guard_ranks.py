@@ -91,6 +91,14 @@ def reference_norm(m):
     return total ** 0.5
 
 
+def titan_norm(m, pp_mesh=None):
+    """torchtitan 0.3.0's clip_grad_norm_ (its DTensor total norm, the stages' squares added
+    over pp_mesh) with no clip: max_norm inf scales every gradient by exactly 1."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".titan"))
+    from torchtitan.distributed.utils import clip_grad_norm_
+    return clip_grad_norm_(list(m.parameters()), float("inf"), pp_mesh=pp_mesh).item()
+
+
 def batch(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
@@ -523,8 +531,13 @@ def mesh(run_dir):
             if step == 6 and rank == 1:
                 norm.grad._local_tensor[0] = float("nan")
             want = reference_norm(m)
+            # torchtitan's norm where its DTensor arithmetic takes the layout: on FSDP x TP its
+            # stack of per-tensor norms on two meshes raises ("must have the same mesh")
+            titan = titan_norm(m) if layout == "hsdp" and step != 6 else None
             before = snapshot(m, opt)
             v = guard.step(loss)
+            if titan is not None:
+                assert abs(v.grad_norm - titan) <= 1e-4 * titan, (layout, step, v.grad_norm, titan)
             if step == 6:
                 assert v.decision == "skip" and "nonfinite_grad" in v.reasons, (layout, v)
                 assert 0 < v.nonfinite < 1, (layout, v.nonfinite)  # one copy of two holds it
@@ -614,8 +627,11 @@ def pipeline(run_dir):
         want = torch.tensor([reference_norm(m) ** 2], dtype=torch.float64)
         dist.all_reduce(want, group=pp)  # the stages' squares added: the whole model's
         want = want.item() ** 0.5
+        titan = titan_norm(m, mesh["pp"]) if step != 6 else None  # (a NaN norm scales by NaN)
         before = snapshot(m, opt)
         v = guard.step(loss)
+        if titan is not None:
+            assert abs(v.grad_norm - titan) <= 1e-4 * titan, (step, v.grad_norm, titan)
         if step == 6:
             assert v.decision == "skip" and "nonfinite_grad" in v.reasons, v
             # after FSDP2's reduce-scatter: no rank's own gradient to blame (see docs/pytorch.md)
@@ -628,6 +644,19 @@ def pipeline(run_dir):
             assert abs(v.grad_norm - want) <= 1e-6 * want, (step, v.grad_norm, want)
         agreed([step, v.decision, summary(v)[3]])
     assert guard.skipped_steps == 2 and guard.optimizer_steps == 8, guard.counters
+    # stage 0 passing a loss where stage 1 computes it: refused on every rank, nothing applied
+    opt.zero_grad(set_to_none=True)
+    x, y, _ = batch(11, data_rank)
+    losses = []
+    schedule.step(x, target=y, losses=losses) if stage_one else schedule.step(x)
+    before = snapshot(m, opt)
+    try:
+        guard.step(torch.stack(losses).mean() if stage_one else torch.tensor(1.0))
+        raise AssertionError("a loss on stage 0 was accepted")
+    except lt.MisuseError as e:
+        assert "rank 0 (and rank 1) passed a loss on pipeline stage 0, where stage 1 computes" \
+            in str(e), str(e)
+    assert bitwise_equal(before, snapshot(m, opt)) and guard.optimizer_steps == 8
     guard.close()
     binary = os.environ.get("LOCKSTEP_BIN")
     if rank == 0 and binary:  # the culprit by its place in the mesh
