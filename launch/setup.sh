@@ -99,13 +99,17 @@ fi
 
 # torchtitan for the guard's torchtitan example and its tests (tests/python/titan_guard.py), in
 # .titan/ apart from .venv (python/examples/torchtitan-requirements.txt says why).
+# It installs while the build compiles (mostly unpacking: it costs the build little), and the
+# build's end waits for it.
 titan_pins="$LOCKSTEP_ROOT/python/examples/torchtitan-requirements.txt"
+titan_job=""
+titan_log="$LOCKSTEP_ROOT/.titan-install.log"
 if ((tests)) && [[ "$(cat "$LOCKSTEP_ROOT/.titan/.pins" 2>/dev/null)" != "$(cat "$titan_pins")" ]]; then
-  say "installing torchtitan into .titan (python/examples/torchtitan-requirements.txt)"
+  say "installing torchtitan into .titan (python/examples/torchtitan-requirements.txt), beside the build"
   rm -rf "$LOCKSTEP_ROOT/.titan"
-  pip_quiet --no-deps --target "$LOCKSTEP_ROOT/.titan" -r "$titan_pins" \
-    || die "pip install of torchtitan into .titan failed (the torchtitan example's test needs it)"
-  cp "$titan_pins" "$LOCKSTEP_ROOT/.titan/.pins"
+  (pip_quiet --no-deps --target "$LOCKSTEP_ROOT/.titan" -r "$titan_pins" >"$titan_log" 2>&1 \
+    && cp "$titan_pins" "$LOCKSTEP_ROOT/.titan/.pins") &
+  titan_job=$!
 fi
 
 # --- configure + build -----------------------------------------------------------
@@ -121,6 +125,11 @@ if [[ ! -f "$LOCKSTEP_BUILD_DIR/build.ninja" || "$(cat "$LOCKSTEP_BUILD_DIR/.loc
 fi
 cmake --build "$LOCKSTEP_BUILD_DIR" ${LOCKSTEP_BUILD_TARGETS:+--target $LOCKSTEP_BUILD_TARGETS} \
   || die "build failed"
+if [[ -n "$titan_job" ]] && ! wait "$titan_job"; then
+  cat "$titan_log" >&2
+  die "pip install of torchtitan into .titan failed (the torchtitan example's test needs it; log: $titan_log)"
+fi
+rm -f "$titan_log"
 
 # The PyTorch package (lockstep.torch, setup.py) installed into .venv with the README's own
 # command, so the tests import what a user installs (ninja rebuilds only what changed, in

@@ -546,16 +546,18 @@ TEST(Reliability, SigtermStopsEveryRankAfterACheckpoint) {
 
 namespace {
 
-// SIGTERM during a step of 1,000 micro-batches (issue 25: a stop waited for the whole step; with
-// 65,536 it was ignored for 10 minutes): every rank ends its batch after the micro-batch in
+// SIGTERM during a step of `micro_batches` micro-batches (issue 25: a stop waited for the whole
+// step; with 65,536 it was ignored for 10 minutes): every rank ends its batch after the micro-batch in
 // flight, the ranks agree on it in the step's exchange, nothing of the step lands, and the run
 // stops at the step before with its checkpoint — in well under half a step (measured against
 // the same run's steps). A resume then ends where an uninterrupted run ends, bit for bit.
-void expect_stop_within_a_micro_batch(const std::string& extra) {
+void expect_stop_within_a_micro_batch(const std::string& extra, int micro_batches = 1000) {
   test::TempDir dir;
   std::string args;
   for (const auto& [k, v] : test::tiny(dir / "run", 100000)) args += " --" + k + " '" + v + "'";
-  args += " --training.gradient_accumulation_steps 1000 --checkpoint.interval 1"
+  const std::string accumulation =
+      " --training.gradient_accumulation_steps " + std::to_string(micro_batches);
+  args += accumulation + " --checkpoint.interval 1"
           " --lr_scheduler.decay_type constant " + extra;
   const pid_t pid = test::spawn_shell(
       "exec " + std::string(LOCKSTEP_RUN_BIN) + " --nproc-per-node 2 --master-port " +
@@ -591,7 +593,7 @@ void expect_stop_within_a_micro_batch(const std::string& extra) {
   ASSERT_EQ(again.code, 0) << again.out;
   std::string straight;
   for (const auto& [k, v] : test::tiny(dir / "straight", 3)) straight += " --" + k + " '" + v + "'";
-  straight += " --training.gradient_accumulation_steps 1000 --checkpoint.interval 1"
+  straight += accumulation + " --checkpoint.interval 1"
               " --lr_scheduler.decay_type constant " + extra;
   auto ref = test::run_on_ranks(2, "train" + straight, test::Launcher::kLockstepRun);
   ASSERT_EQ(ref.code, 0) << ref.out;
@@ -640,16 +642,17 @@ TEST(Reliability, SigtermCutsALongAccumulationShortOnTheDeviceDecidedStep) {
 
 // fsdp gathers with every rank in every forward, so no rank may end its batch alone (issue 42:
 // it ignored the signal for the rest of the step, 22.6 s at 2,000 micro-batches): the ranks vote
-// at each micro-batch boundary and stop together, as ddp and sharded do.
+// at each micro-batch boundary and stop together, as ddp and sharded do. 250 micro-batches:
+// fsdp's are the slowest (its gathers), and its three runs took 68 s of the suite at 1,000.
 TEST(Reliability, SigtermCutsALongAccumulationShortInFsdp) {
-  expect_stop_within_a_micro_batch("--model.name llama --parallelism.mode fsdp");
+  expect_stop_within_a_micro_batch("--model.name llama --parallelism.mode fsdp", 250);
 }
 
 // 32 Gloo ranks on this 2-core machine, each running the step's checks, gradient all-reduce,
 // stats exchange and decision on synthetic gradients under random faults (`lockstep bench
 // agree`): every rank's verdict equal at every step, and the record form's (own windows, one
 // record all-reduced) equal to the table's on every rank; and a rank that decides with another
-// threshold is caught at the first step it differs.
+// threshold is caught at the first step it differs (on 8 ranks: the comparison is the same).
 TEST(SkipAgreement, ThirtyTwoGlooRanksDecideAlikeAtEveryStep) {
   const test::CliRun same = test::run_on_ranks(32, "bench agree --steps 60",
                                                test::Launcher::kLockstepRun);
@@ -660,7 +663,7 @@ TEST(SkipAgreement, ThirtyTwoGlooRanksDecideAlikeAtEveryStep) {
   EXPECT_NE(same.out.find("the record form decided as the table at every step on every rank"),
             std::string::npos)
       << same.out;
-  const test::CliRun odd = test::run_on_ranks(32, "bench agree --steps 60 --disagree-rank 7",
+  const test::CliRun odd = test::run_on_ranks(8, "bench agree --steps 60 --disagree-rank 7",
                                               test::Launcher::kLockstepRun);
   EXPECT_NE(odd.code, 0) << odd.out;
   EXPECT_NE(odd.out.find("the ranks decided differently at step"), std::string::npos) << odd.out;

@@ -7,7 +7,7 @@ host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
 Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, nan-weight, device, adagc,
-adagc-device, forms, mesh, pipeline. Exit 0 and "ok" on success.
+adagc-device, forms, mesh, mesh-device, pipeline. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -551,6 +551,39 @@ def mesh(run_dir):
         gc.collect()
 
 
+def mesh_device(run_dir):
+    """On 4 ranks, HSDP and FSDP x TP with the fused AdamW and the per-tensor policies (AdaGC,
+    SPAM's reset): the device path (found_inf, grad_scale; each tensor's sums weighed by its
+    holders on the device) decides as the host path at every step, the grad norm's bits
+    included, and both end at the same bits; the NaN in one copy of a norm weight is skipped."""
+    rank = dist.get_rank()
+    for layout in ("hsdp", "fsdp-tp"):
+        runs, ends = [], []
+        for path in ("off", "on"):
+            m, data_rank = mesh_model(layout)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+            guard = lt.SkipGuard(opt, SKIP, model=m, training_max_norm=0.0,
+                                 skip_device_decision=path, **ADAGC)
+            assert guard.on_device == (path == "on")
+            norm = dict(m.named_parameters())["layers.0.ffn_norm.weight"]
+            verdicts = []
+            for step in range(1, 11):
+                opt.zero_grad(set_to_none=True)
+                loss, _, _ = forward_backward(m, step, data_rank, None, {})
+                if step == 8 and rank == 1:
+                    norm.grad._local_tensor[0] = float("nan")
+                verdicts.append(guard.step(loss))
+            guard.flush()
+            runs.append([summary(v) for v in verdicts])
+            ends.append(snapshot(m, opt))
+            guard.close()
+        assert runs[0] == runs[1], f"{layout}: host and device decided differently:\n{runs}"
+        assert [r[0] for r in runs[1]].count("skip") == 1 and runs[1][7][0] == "skip", runs[1]
+        assert bitwise_equal(ends[0], ends[1]), f"{layout}: host and device ended apart"
+        agreed(runs[1])
+        gc.collect()
+
+
 class Stage(torch.nn.Module):
     """Pipeline stage `stage` of 2 of model(): the embedding and block 0, or block 1, the norm
     and the output (torchtitan's split: the blocks keep their names, layers.<i>)."""
@@ -755,7 +788,7 @@ def main():
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
          "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse, "mesh": mesh,
-         "agree": agree, "stall": stall, "pipeline": pipeline, "nan-weight": nan_weight,
+         "agree": agree, "stall": stall, "pipeline": pipeline, "mesh-device": mesh_device, "nan-weight": nan_weight,
          "adagc": adagc, "adagc-device": adagc_device, "forms": forms}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
