@@ -7,7 +7,7 @@ host path.
 
     torchrun --standalone --nproc-per-node 2 tests/python/guard_ranks.py ddp RUN_DIR
 Scenarios: ddp, fsdp, resume, resume-fsdp, misuse, agree, stall, nan-weight, device, adagc,
-adagc-device, forms, mesh, mesh-device, pipeline. Exit 0 and "ok" on success.
+adagc-device, forms, mesh, mesh-device, resume-mesh, pipeline. Exit 0 and "ok" on success.
 """
 import gc
 import json
@@ -584,6 +584,54 @@ def mesh_device(run_dir):
         gc.collect()
 
 
+def resume_mesh(run_dir):
+    """FSDP x TP on 4 ranks, docs/pytorch.md's checkpoint recipe: the model, the optimizer and
+    the guard saved with torch.distributed.checkpoint at step 6 (after a skip of a NaN in one copy
+    of a norm weight), loaded into fresh objects (their layout exchanged again at construction):
+    steps 7-12 take the uninterrupted run's decisions and end at its bits."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    rank = dist.get_rank()
+    ckpt = os.path.join(run_dir, "ckpt")
+
+    def fresh():
+        m, data_rank = mesh_model("fsdp-tp")
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return m, opt, lt.SkipGuard(opt, SKIP, model=m), data_rank
+
+    def steps(m, opt, guard, data_rank, first, last):
+        norm = dict(m.named_parameters())["layers.0.ffn_norm.weight"]
+        out = []
+        for step in range(first, last + 1):
+            opt.zero_grad(set_to_none=True)
+            loss, _, _ = forward_backward(m, step, data_rank, None, {})
+            if step in (4, 9) and rank == 1:
+                norm.grad._local_tensor[0] = float("nan")
+            out.append(summary(guard.step(loss)))
+        return out
+
+    m, opt, guard, data_rank = fresh()
+    first = steps(m, opt, guard, data_rank, 1, 6)
+    model_state, optim_state = get_state_dict(m, opt)
+    dcp.save({"model": model_state, "optim": optim_state, "guard": guard.state_dict()},
+             checkpoint_id=ckpt)
+    rest = steps(m, opt, guard, data_rank, 7, 12)
+    end = snapshot(m, opt)
+    assert [d for d, *_ in first + rest].count("skip") == 2, first + rest
+
+    m2, opt2, guard2, _ = fresh()
+    model_state, optim_state = get_state_dict(m2, opt2)
+    state = {"model": model_state, "optim": optim_state, "guard": guard2.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    guard2.load_state_dict(state["guard"])
+    assert guard2.counters["step"] == 6 and guard2.skipped_steps == 1, guard2.counters
+    again = steps(m2, opt2, guard2, data_rank, 7, 12)
+    assert again == rest, f"resumed decisions differ:\n{again}\n{rest}"
+    assert bitwise_equal(end, snapshot(m2, opt2)), "the resumed run ended elsewhere"
+    agreed(again)
+
+
 class Stage(torch.nn.Module):
     """Pipeline stage `stage` of 2 of model(): the embedding and block 0, or block 1, the norm
     and the output (torchtitan's split: the blocks keep their names, layers.<i>)."""
@@ -788,7 +836,7 @@ def main():
     try:
         {"ddp": ddp, "fsdp": fsdp, "resume": resume, "device": device,
          "resume-fsdp": lambda d: resume(d, shard=True), "misuse": misuse, "mesh": mesh,
-         "agree": agree, "stall": stall, "pipeline": pipeline, "mesh-device": mesh_device, "nan-weight": nan_weight,
+         "agree": agree, "stall": stall, "pipeline": pipeline, "mesh-device": mesh_device, "resume-mesh": resume_mesh, "nan-weight": nan_weight,
          "adagc": adagc, "adagc-device": adagc_device, "forms": forms}[scenario](run_dir)
         gc.collect()  # the scenario's DDP modules go before the process group (Gloo's exit)
         dist.barrier()
