@@ -35,6 +35,8 @@ class MeshPlaces:
     def __init__(self, mesh, group, rank, world):
         self.names, self.stage_of, self.text = [], [0] * world, [""] * world
         self.stages, self.stage = 1, 0
+        # this rank's index among the ranks of its stage, and how many there are
+        self.replica, self.replicas = rank, world
         if mesh is None:
             return
         group_ranks = dist.get_process_group_ranks(group or dist.group.WORLD) if world > 1 \
@@ -57,15 +59,12 @@ class MeshPlaces:
             self.stages = grid.shape[names.index(PIPELINE_DIM)]
             self.pipeline_mesh = mesh[PIPELINE_DIM]
         self.stage = self.stage_of[rank]
+        mates = [r for r, s in enumerate(self.stage_of) if s == self.stage]
+        self.replica, self.replicas = mates.index(rank), len(mates)
 
     @property
     def pipelined(self):
         return self.stages > 1
-
-    def replicas(self, rank):
-        """This rank's index among the ranks of its stage, and how many there are."""
-        mates = [r for r, s in enumerate(self.stage_of) if s == self.stage_of[rank]]
-        return mates.index(rank), len(mates)
 
     def describe(self):
         """The mesh as the fingerprint compares it ('' without one)."""

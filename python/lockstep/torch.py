@@ -605,7 +605,7 @@ class SkipGuard:
         (the world without pipelining), its own part here."""
         grads, sharded = _grad_parts(params)
         names = [self.names[self._index[id(p)]] for p in params]
-        part, parts = self.places.replicas(self.rank)
+        part, parts = self.places.replica, self.places.replicas
         if sharded or parts == 1:
             offset, length = 0, -1
         else:

@@ -131,18 +131,18 @@ json suspects_table(const json& events) {
   return out;
 }
 
-// Rank r's coordinates in the device mesh as its events say them ("" without a mesh).
-std::string place_of(const json& events, int64_t r) {
-  for (const auto& ev : events)
-    for (const auto& pr : ev["per_rank"])
-      if (pr["rank"].get<int64_t>() == r && !pr.value("place", "").empty())
-        return pr["place"].get<std::string>();
+// Rank r's coordinates in the device mesh as one event says them ("" without a mesh).
+std::string place_in(const json& ev, int64_t r) {
+  for (const auto& pr : ev["per_rank"])
+    if (pr["rank"].get<int64_t>() == r) return pr.value("place", "");
   return "";
 }
 
-// "5" or "5 (pp 1, dp_shard 0, tp 1)".
-std::string rank_named(int64_t r, const std::string& place) {
-  return place.empty() ? std::to_string(r) : fmt::format("{} ({})", r, place);
+// ... as the first event that says them does.
+std::string place_of(const json& events, int64_t r) {
+  for (const auto& ev : events)
+    if (std::string place = place_in(ev, r); !place.empty()) return place;
+  return "";
 }
 
 // Culprit events and reasons per rank.
@@ -329,12 +329,7 @@ std::string format_event(const json& ev) {
   const auto reasons = ev["reasons"].get<std::vector<std::string>>();
   const auto culprits = ev["culprit_ranks"].get<std::vector<int64_t>>();
   std::vector<std::string> named;
-  for (int64_t c : culprits) {
-    std::string place;
-    for (const auto& pr : ev["per_rank"])
-      if (pr["rank"].get<int64_t>() == c) place = pr.value("place", "");
-    named.push_back(rank_named(c, place));
-  }
+  for (int64_t c : culprits) named.push_back(rank_named(c, place_in(ev, c)));
   std::string out = fmt::format(
       "step {:>7}  {:<7}  {:<32}  grad_norm {:<9}  nonfinite {:<8}  loss {:<9}  culprit rank {}\n",
       ev["step"].get<int64_t>(), ev["decision"].get<std::string>(),

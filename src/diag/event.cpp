@@ -147,6 +147,10 @@ double number_from_json(const json& j) {
   return std::numeric_limits<double>::quiet_NaN();
 }
 
+std::string rank_named(int64_t rank, const std::string& place) {
+  return place.empty() ? std::to_string(rank) : fmt::format("{} ({})", rank, place);
+}
+
 json to_json(const Event& e) {
   const auto& g = e.global;
   const auto& w = e.window;

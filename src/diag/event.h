@@ -94,6 +94,8 @@ struct Event {
 };
 
 nlohmann::json to_json(const Event& e);
+// "5", or "5 (pp 1, dp_shard 0, tp 1)" for a rank with a place in the device mesh.
+std::string rank_named(int64_t rank, const std::string& place);
 // Throws nlohmann::json::exception when a field is missing or of the wrong type.
 Event event_from_json(const nlohmann::json& j);
 

@@ -19,10 +19,10 @@ std::string brief_ids(const std::vector<int64_t>& ids) {
                      ids.size());
 }
 
-// "rank 5" or, under a device mesh, "rank 5 (pp 1, dp_shard 0, tp 1)".
+// "5" or, under a device mesh, "5 (pp 1, dp_shard 0, tp 1)".
 std::string rank_text(const Event& e, int rank) {
   for (const auto& row : e.ranks)
-    if (row.rank == rank && !row.place.empty()) return fmt::format("{} ({})", rank, row.place);
+    if (row.rank == rank) return rank_named(rank, row.place);
   return std::to_string(rank);
 }
 

@@ -293,14 +293,33 @@ def adagc_device(run_dir):
     assert bitwise_equal(ends[0], ends[1]), "host and device paths ended at different bits"
 
 
+def dcp_save(m, opt, guard, ckpt):
+    """docs/pytorch.md's checkpoint recipe: the model, the optimizer and the guard, saved with
+    torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_state, optim_state = get_state_dict(m, opt)
+    dcp.save({"model": model_state, "optim": optim_state, "guard": guard.state_dict()},
+             checkpoint_id=ckpt)
+
+
+def dcp_load(m, opt, guard, ckpt):
+    """What dcp_save saved, loaded into (fresh) `m`, `opt` and `guard`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(m, opt)
+    state = {"model": model_state, "optim": optim_state, "guard": guard.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(m, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    guard.load_state_dict(state["guard"])
+
+
 def resume(run_dir, shard=False):
     """docs/pytorch.md's checkpoint recipe: at step 10 (mid-window, after a skip) get_state_dict
     of the model and the optimizer and the guard's state_dict, saved with
     torch.distributed.checkpoint; then a fresh model, optimizer and guard (nothing trained
     before loading), set_state_dict from dcp.load, steps 11-20: the same decisions and the
     uninterrupted run's bits. DDP, or FSDP2 (`shard`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     rank = dist.get_rank()
     ckpt = os.path.join(run_dir, "ckpt")
 
@@ -313,18 +332,12 @@ def resume(run_dir, shard=False):
     faults = FSDP_FAULTS if shard else FAULTS
     m, wrapped, opt, guard = fresh()
     first = train(wrapped, opt, guard, 10, rank, next(m.parameters()), faults)
-    model_state, optim_state = get_state_dict(m, opt)
-    dcp.save({"model": model_state, "optim": optim_state, "guard": guard.state_dict()},
-             checkpoint_id=ckpt)
+    dcp_save(m, opt, guard, ckpt)
     rest = train(wrapped, opt, guard, 20, rank, next(m.parameters()), faults, start=11)
     end = snapshot(m, opt)
 
     m2, wrapped2, opt2, guard2 = fresh()
-    model_state, optim_state = get_state_dict(m2, opt2)
-    state = {"model": model_state, "optim": optim_state, "guard": guard2.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    guard2.load_state_dict(state["guard"])
+    dcp_load(m2, opt2, guard2, ckpt)
     assert guard2.counters["step"] == 10 and guard2.skipped_steps == 1, guard2.counters
     again = train(wrapped2, opt2, guard2, 20, rank, next(m2.parameters()), faults, start=11)
     assert again == rest, f"resumed decisions differ:\n{again}\n{rest}"
@@ -589,8 +602,6 @@ def resume_mesh(run_dir):
     the guard saved with torch.distributed.checkpoint at step 6 (after a skip of a NaN in one copy
     of a norm weight), loaded into fresh objects (their layout exchanged again at construction):
     steps 7-12 take the uninterrupted run's decisions and end at its bits."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     rank = dist.get_rank()
     ckpt = os.path.join(run_dir, "ckpt")
 
@@ -612,19 +623,13 @@ def resume_mesh(run_dir):
 
     m, opt, guard, data_rank = fresh()
     first = steps(m, opt, guard, data_rank, 1, 6)
-    model_state, optim_state = get_state_dict(m, opt)
-    dcp.save({"model": model_state, "optim": optim_state, "guard": guard.state_dict()},
-             checkpoint_id=ckpt)
+    dcp_save(m, opt, guard, ckpt)
     rest = steps(m, opt, guard, data_rank, 7, 12)
     end = snapshot(m, opt)
     assert [d for d, *_ in first + rest].count("skip") == 2, first + rest
 
     m2, opt2, guard2, _ = fresh()
-    model_state, optim_state = get_state_dict(m2, opt2)
-    state = {"model": model_state, "optim": optim_state, "guard": guard2.state_dict()}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(m2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    guard2.load_state_dict(state["guard"])
+    dcp_load(m2, opt2, guard2, ckpt)
     assert guard2.counters["step"] == 6 and guard2.skipped_steps == 1, guard2.counters
     again = steps(m2, opt2, guard2, data_rank, 7, 12)
     assert again == rest, f"resumed decisions differ:\n{again}\n{rest}"
